@@ -1,0 +1,494 @@
+"""
+seed.py: the SEED algorithm around a policy -- rollouts, self-analysis, re-scoring, the update.
+
+What is here (no training loop, no argument parsing; train.py drives these):
+  * the policy: any Hugging Face causal LM with its chat template, or `tiny`, a few-M-parameter Qwen2
+    built from a config with a BPE tokenizer trained in-process (no download, runs on a laptop CPU);
+  * prompts in the verl-agent ALFWorld format and the `<action>...</action>` parser;
+  * `sample`: batched generation over all live envs (left-padded batch, KV cache) that records the
+    sampled tokens, their mask and their log-probs;
+  * `rollout`: N tasks x G rollouts stepped together; `analyze`: the SAME weights turn every finished
+    trajectory into a hindsight skill (skills.analyzer_prompt -> generate -> skills.parse_skill);
+  * `response_logprobs`: re-scores given response tokens under any prompts, padded or packed layout;
+  * `policy_update`: micro-batched PPO-clip + SEED loss (loss.seed_loss) with gradient accumulation.
+
+Layout convention: every per-token tensor is response-aligned, (B, R) with R the longest response of
+the batch, and `mask` is 1 exactly on policy-sampled tokens. The mask is made by the sampler (tokens it
+emitted before and including end-of-turn); prompts, observations and skill text never enter these
+tensors, so student and teacher rows align token for token whatever their prompt lengths.
+
+Departures from the paper: the invalid-format penalty is added to the episode score before GRPO (as in
+verl-agent), and one PPO epoch over the batch is the only mode (the authors' setting). Command: see
+train.py.
+"""
+import inspect
+import json
+import os
+import re
+
+import torch
+from tqdm.auto import tqdm
+
+import loss as L
+import skills
+
+# ----------------------------------------------------------------------------- prompts and actions
+
+HEADERS = {  # first line of the agent prompt per env family (verl-agent templates)
+    "household": "You are an expert agent operating in the ALFRED Embodied Environment.",
+    "alfworld": "You are an expert agent operating in the ALFRED Embodied Environment.",
+}
+INSTRUCTION = ("Now it's your turn to take an action.\n"
+               "You should first reason step-by-step about the current situation. This reasoning process "
+               "MUST be enclosed within <think> </think> tags.\n"
+               "Once you've finished your reasoning, you should choose an admissible action for current step "
+               "and present it within <action> </action> tags.")
+ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
+
+
+def render_prompt(task, history, observation, admissible, history_window=5, env_name="household"):
+    """The user message for one step. history: list of (observation, action) of the previous steps."""
+    header = HEADERS.get(env_name, HEADERS["household"])
+    lines = [f"{header} Your task is to: {task}"]
+    if history:
+        recent = history[-history_window:] if history_window > 0 else []
+        start = len(history) - len(recent)
+        records = " ".join(f"[Observation {start + i + 1}: '{o}', Action {start + i + 1}: '{a}']"
+                           for i, (o, a) in enumerate(recent))
+        lines.append(f"Prior to this step, you have already taken {len(history)} step(s). Below are the most "
+                     f"recent {len(recent)} observations and the corresponding actions you took: {records}")
+    lines.append(f"You are now at step {len(history) + 1} and your current observation is: {observation}")
+    actions = ", ".join(f"'{a}'" for a in admissible)
+    lines.append(f"Your admissible actions of the current situation are: [{actions}].")
+    return "\n".join(lines) + "\n\n" + INSTRUCTION
+
+
+def parse_action(response):
+    """The text inside the first <action>...</action>, stripped; None when there is no such tag."""
+    match = ACTION_RE.search(response)
+    return match.group(1).strip() if match else None
+
+
+def encode_chat(tokenizer, user_text):
+    """Token ids of one user turn plus the assistant header, through the model's own chat template."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------------------- the policy
+
+class Policy:
+    """A causal LM, its tokenizer and the ids that end a turn. Acts, analyzes and is trained."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+        self.stop_ids = sorted(i for i in stops if isinstance(i, int) and 0 <= i < len(tokenizer))
+        # transformers 5.x renamed past_key_values -> cache; accept both so 4.x users are not locked out
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+
+def pick_device_dtype(device=None, dtype=None):
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        dtype = "bfloat16" if str(device).startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    return torch.device(device), getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def load_policy(name_or_path, device=None, dtype=None, gradient_checkpointing=False):
+    """Any HF causal LM folder or hub name (already on disk / in the HF cache: nothing is downloaded
+    unless the user's environment allows it). bf16 on CUDA, fp32 on CPU unless told otherwise."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    device, dtype = pick_device_dtype(device, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return Policy(model, tokenizer)
+
+
+TINY_SIZES = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2)
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen2's own pre-tokenizer regex: a tiny tokenizer saved with it reloads identically as Qwen2Tokenizer
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def build_tiny_policy(corpus, out_dir, vocab_size=2048, seed=0, **sizes):
+    """Train a byte-level BPE tokenizer on `corpus` (iterable of str), build a small Qwen2 model from a
+    config, save both as an ordinary HF folder in out_dir and return them reloaded from there."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    markup = ["<think>", "</think>", "<action>", "</action>"]  # single tokens: the format is cheap to learn
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.add_tokens(markup)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=None, **{**TINY_SIZES, **sizes})
+    # eager attention: at this width it runs 3-5x faster than SDPA on a CPU (SDPA's CPU kernels pay off on
+    # wide heads; measured in bench.py); HF models keep their own default
+    config._attn_implementation = "eager"
+    model = Qwen2ForCausalLM(config)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return load_policy(out_dir, device="cpu", dtype="float32")
+
+
+# ----------------------------------------------------------------------------- generation
+
+def left_pad(sequences, pad_id, device):
+    """list of id lists -> ids (B, P), attention mask (B, P), position ids (B, P), left-padded."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        attention[row, width - len(seq):] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), attention.to(device), positions.to(device)
+
+
+@torch.no_grad()
+def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc=None, generator=None):
+    """Generate one response per prompt (list of id lists). temperature 0 is greedy.
+    Returns (responses, logps): per row the sampled ids up to and including the first stop token, and
+    the log-prob of each under softmax(logits / temperature) (greedy: temperature 1). `generator` (a
+    torch.Generator on the model's device) keeps evaluation from consuming the training RNG."""
+    responses, logps = [None] * len(prompts), [None] * len(prompts)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
+    model, device = policy.model, policy.device
+    was_training = model.training
+    model.eval()
+    stop = torch.tensor(policy.stop_ids, device=device)
+    bar = tqdm(total=len(prompts), desc=desc, leave=False, disable=desc is None)
+    for first in range(0, len(order), batch_size):
+        rows = order[first:first + batch_size]
+        ids, attention, positions = left_pad([prompts[i] for i in rows], policy.pad_id, device)
+        cache, step_input, step_positions = None, ids, positions
+        alive = torch.ones(len(rows), dtype=torch.bool, device=device)           # (b,)
+        tokens, token_logps, token_alive = [], [], []
+        for _ in range(max_new_tokens):
+            out = model(input_ids=step_input, attention_mask=attention, position_ids=step_positions,
+                        use_cache=True, logits_to_keep=1, **{policy.cache_kwarg: cache})
+            cache = out["cache"] if "cache" in out else out["past_key_values"]
+            logits = out.logits[:, -1].float()                                     # (b, V)
+            if temperature > 0:
+                logprobs = torch.log_softmax(logits / temperature, dim=-1)
+                token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (b,)
+            else:
+                logprobs = torch.log_softmax(logits, dim=-1)
+                token = logprobs.argmax(-1)
+            token = torch.where(alive, token, torch.full_like(token, policy.pad_id))
+            tokens.append(token)
+            token_logps.append(logprobs.gather(-1, token[:, None]).squeeze(-1))
+            token_alive.append(alive.clone())                                      # mask made here
+            alive &= ~torch.isin(token, stop)
+            if not alive.any():
+                break
+            step_input = token[:, None]
+            step_positions = step_positions[:, -1:] + 1
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+        tokens, token_logps, token_alive = (torch.stack(x, 1).cpu() for x in (tokens, token_logps, token_alive))
+        for j, i in enumerate(rows):
+            n = int(token_alive[j].sum())
+            responses[i] = tokens[j, :n].tolist()
+            logps[i] = token_logps[j, :n].tolist()
+        bar.update(len(rows))
+    bar.close()
+    model.train(was_training)
+    return responses, logps
+
+
+# ----------------------------------------------------------------------------- rollouts and analysis
+
+def rollout(policy, envs, task_seeds, group_size, max_steps, max_new_tokens=64, temperature=1.0,
+            history_window=5, invalid_penalty=0.1, max_prompt_tokens=2048, batch_size=64, env_name="household",
+            desc="rollout", generator=None):
+    """Play len(task_seeds) tasks x group_size rollouts together; envs must hold that many envs.
+    Returns trajectories (the dict of skills.py's contract plus per-step 'prompt', 'prompt_ids',
+    'response_ids', 'sampled_logp', and per trajectory 'group' = index of its task)."""
+    assert len(envs) >= len(task_seeds) * group_size, "need one env per rollout"
+    trajectories, live = [], []
+    for task_index, task_seed in enumerate(task_seeds):
+        for g in range(group_size):
+            env = envs[len(trajectories)]
+            observation, info = env.reset(task_seed)
+            trajectories.append({"task": info["task"], "task_type": info.get("task_type"), "won": False,
+                                 "reward": 0.0, "steps": [], "gt": None, "group": task_index, "seed": task_seed})
+            live.append({"env": env, "obs": observation, "info": info, "history": []})
+    truncated = 0
+    bar = tqdm(total=max_steps, desc=desc, leave=False)
+    for _ in range(max_steps):
+        active = [i for i, state in enumerate(live) if state is not None]
+        if not active:
+            break
+        prompts, prompt_ids = [], []
+        for i in active:
+            state = live[i]
+            text = render_prompt(trajectories[i]["task"], state["history"], state["obs"],
+                                 state["info"].get("admissible", []), history_window, env_name)
+            ids = encode_chat(policy.tokenizer, text)
+            if len(ids) > max_prompt_tokens:  # keep the end: the current observation and the instruction
+                ids, truncated = ids[-max_prompt_tokens:], truncated + 1
+            prompts.append(text)
+            prompt_ids.append(ids)
+        responses, logps = sample(policy, prompt_ids, max_new_tokens, temperature, batch_size, generator=generator)
+        for i, text, ids, response, logp in zip(active, prompts, prompt_ids, responses, logps):
+            state, trajectory = live[i], trajectories[i]
+            response_text = policy.tokenizer.decode(response, skip_special_tokens=True)
+            action = parse_action(response_text)
+            observation, reward, done, info = state["env"].step(action if action is not None else "")
+            reward -= invalid_penalty if action is None else 0.0
+            trajectory["steps"].append({"observation": state["obs"], "response": response_text,
+                                        "action": action or "", "reward": float(reward),
+                                        "valid": bool(info.get("valid", True)) and action is not None,
+                                        "prompt": text, "prompt_ids": ids, "response_ids": response,
+                                        "sampled_logp": logp})
+            trajectory["reward"] += float(reward)
+            state["history"].append((state["obs"], action or ""))
+            state["obs"], state["info"] = observation, info
+            if done or len(trajectory["steps"]) >= max_steps:
+                trajectory["won"] = bool(info.get("won", False))
+                trajectory["gt"] = info.get("gt")
+                live[i] = None
+        bar.update(1)
+    bar.close()
+    for trajectory in trajectories:
+        trajectory["truncated_prompts"] = truncated
+    return trajectories
+
+
+def analyze(policy, trajectories, max_prompt_tokens=1024, max_new_tokens=128, temperature=0.0,
+            batch_size=32, desc="analyze"):
+    """The current policy writes one hindsight skill per finished trajectory.
+    Returns (skills, raw_outputs); a skill is None where the output could not be parsed."""
+    count = lambda text: len(policy.tokenizer(text, add_special_tokens=False)["input_ids"])
+    prompts = [encode_chat(policy.tokenizer, skills.analyzer_prompt(t, max_tokens=max_prompt_tokens,
+                                                                     count_tokens=count))
+               for t in trajectories]
+    outputs, _ = sample(policy, prompts, max_new_tokens, temperature, batch_size, desc=desc)
+    texts = [policy.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
+    return [skills.parse_skill(text, task=t["task"]) for text, t in zip(texts, trajectories)], texts
+
+
+# ----------------------------------------------------------------------------- re-scoring
+
+def response_mask(responses, device="cpu"):
+    """(B, R) float mask, 1 on the first len(response) positions: the tokens the sampler emitted."""
+    width = max(1, max(len(r) for r in responses))
+    lengths = torch.tensor([len(r) for r in responses], device=device)
+    return (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
+
+
+def forward_logits(model, prompts, responses, pad_id, layout="padded"):
+    """Logits that predict each response token. Returns (logits (B, R, V), targets (B, R)).
+    padded: prompts left-padded, responses right-padded, position_ids = cumsum(mask) - 1, and only the
+    R+1 last positions go through the LM head. packed: all rows in one (1, N) sequence with
+    per-sequence position ids and no attention mask (exact on eager and SDPA, REFERENCE section 5)."""
+    device = next(model.parameters()).device
+    width = max(1, max(len(r) for r in responses))
+    targets = torch.full((len(responses), width), pad_id, dtype=torch.long)
+    for row, response in enumerate(responses):
+        targets[row, :len(response)] = torch.tensor(response, dtype=torch.long)
+    targets = targets.to(device)                                                    # (B, R)
+    if layout == "padded":
+        prompt_ids, prompt_attention, _ = left_pad(prompts, pad_id, device)         # (B, P)
+        mask = response_mask(responses, device).long()                              # (B, R)
+        ids = torch.cat([prompt_ids, targets], dim=1)                               # (B, P + R)
+        attention = torch.cat([prompt_attention, mask], dim=1)                      # (B, P + R)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                       use_cache=False, logits_to_keep=width + 1).logits[:, :-1]    # (B, R, V)
+        return logits, targets
+    if layout != "packed":
+        raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+    ids, positions, keep, slots = [], [], [], []
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        start = len(ids)
+        ids += list(prompt) + list(response)
+        positions += list(range(len(prompt) + len(response)))
+        keep += range(start + len(prompt) - 1, start + len(prompt) + len(response) - 1)
+        slots += [(row, t) for t in range(len(response))]
+    out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
+                attention_mask=None, use_cache=False, logits_to_keep=torch.tensor(keep, device=device))
+    logits = out.logits.new_zeros(len(responses), width, out.logits.shape[-1])      # (B, R, V)
+    if slots:
+        rows, cols = (torch.tensor(x, device=device) for x in zip(*slots))
+        logits = logits.index_put((rows, cols), out.logits[0])
+    return logits, targets
+
+
+def response_logprobs(model, prompts, responses, pad_id, temperature=1.0, layout="padded", max_batch_tokens=16384,
+                      desc=None):
+    """Log-probs (B, R) of given response tokens under given prompts, without gradient, in micro-batches of
+    about max_batch_tokens tokens. Row i of the result lines up with responses[i] (0 past its end)."""
+    result = torch.zeros(len(responses), max(1, max(len(r) for r in responses)))
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for rows in tqdm(micro_batches(prompts, responses, max_batch_tokens), desc=desc, leave=False,
+                         disable=desc is None):
+            logits, targets = forward_logits(model, [prompts[i] for i in rows], [responses[i] for i in rows],
+                                             pad_id, layout)
+            logp = L.token_logprobs(logits, targets, temperature)                   # (b, r)
+            result[rows, :logp.shape[1]] = logp.float().cpu()
+    model.train(was_training)
+    return result * response_mask(responses)
+
+
+def micro_batches(prompts, responses, max_batch_tokens):
+    """Lists of row indices, rows of similar length together, each list about max_batch_tokens tokens
+    when padded (always at least one row)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(responses[i]))
+    batches, current, width = [], [], 0
+    for i in order:
+        length = len(prompts[i]) + len(responses[i])
+        if current and max(width, length) * (len(current) + 1) > max_batch_tokens:
+            batches.append(current)
+            current, width = [], 0
+        current.append(i)
+        width = max(width, length)
+    return batches + ([current] if current else [])
+
+
+# ----------------------------------------------------------------------------- advantages and the update
+
+def step_rows(trajectories, skill_per_trajectory=None):
+    """Flatten trajectories into one training row per step. Returns a dict of lists:
+    prompts (ordinary prompt ids), responses, teacher_prompts (None where the trajectory has no skill),
+    trajectory index."""
+    rows = {"prompts": [], "responses": [], "teacher_prompts": [], "trajectory": []}
+    for index, trajectory in enumerate(trajectories):
+        skill = skill_per_trajectory[index] if skill_per_trajectory else None
+        for step in trajectory["steps"]:
+            rows["prompts"].append(step["prompt_ids"])
+            rows["responses"].append(step["response_ids"])
+            rows["teacher_prompts"].append(None if skill is None else skills.with_skill(step["prompt"], skill))
+            rows["trajectory"].append(index)
+    return rows
+
+
+def rescore(policy, rows, temperature=1.0, layout="padded", max_batch_tokens=16384, reference=None):
+    """Old (ordinary prompt), teacher (skill prompt) and reference log-probs, (B, R) each, of the rows'
+    response tokens under the current, not yet updated weights. Teacher rows without a skill get the
+    old log-probs (delta exactly 0); ref is None without a reference model."""
+    score = lambda model, prompts, responses, desc: response_logprobs(
+        model, prompts, responses, policy.pad_id, temperature, layout, max_batch_tokens, desc)
+    old = score(policy.model, rows["prompts"], rows["responses"], "re-score student")
+    teacher = old.clone()
+    with_skill = [i for i, text in enumerate(rows["teacher_prompts"]) if text is not None]
+    if with_skill:
+        prompts = [encode_chat(policy.tokenizer, rows["teacher_prompts"][i]) for i in with_skill]
+        scored = score(policy.model, prompts, [rows["responses"][i] for i in with_skill], "re-score teacher")
+        teacher[with_skill, :scored.shape[1]] = scored
+    ref = None if reference is None else score(reference, rows["prompts"], rows["responses"], "re-score reference")
+    return old, teacher, ref
+
+
+def trajectory_advantages(trajectories, norm_std=True):
+    """GRPO over the episode scores (outcome reward + invalid penalties) of each task's G rollouts: (N,)."""
+    scores = torch.tensor([t["reward"] for t in trajectories], dtype=torch.float32)
+    groups = torch.tensor([t["group"] for t in trajectories])
+    return L.grpo_advantages(scores, groups, norm_std=norm_std)
+
+
+def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, teacher_logp=None, ref_logp=None,
+                  loss_kwargs=None, temperature=1.0, layout="padded", max_batch_tokens=16384, grad_clip=1.0,
+                  desc="update"):
+    """One optimizer step over all rows with gradient accumulation.
+    advantages (B,) per row; old/teacher/ref log-probs (B, R) response-aligned (teacher rows without a
+    skill must equal old_logp there, so their delta is exactly 0). Micro-batch losses are weighted so the
+    sum equals the full-batch loss: token-mean by the micro-batch's share of valid tokens, seq-mean-* by
+    its share of rows. Returns (metrics, skipped_reason or None)."""
+    loss_kwargs = dict(loss_kwargs or {})
+    model = policy.model
+    model.train()
+    mask = response_mask(responses)                                                 # (B, R)
+    aggregation = loss_kwargs.get("agg", "token-mean")
+    total = mask.sum() if aggregation == "token-mean" else (mask.sum(1) > 0).sum()
+    totals, skipped = {}, None
+    optimizer.zero_grad(set_to_none=True)
+    device = policy.device
+    for rows in tqdm(micro_batches(prompts, responses, max_batch_tokens), desc=desc, leave=False):
+        width = max(1, max(len(responses[i]) for i in rows))
+        pick = lambda x: None if x is None else x[rows, :width].to(device)
+        micro_mask = mask[rows, :width].to(device)                                  # (b, r)
+        weight = (micro_mask.sum() if aggregation == "token-mean" else (micro_mask.sum(1) > 0).sum()) / total.clamp(min=1)
+        logits, targets = forward_logits(model, [prompts[i] for i in rows], [responses[i] for i in rows],
+                                         policy.pad_id, layout)
+        logp = L.token_logprobs(logits, targets, temperature)                       # (b, r)
+        entropy = L.entropy_from_logits(logits, temperature) if loss_kwargs.get("entropy_coef", 0) else None
+        loss, metrics = L.seed_loss(logp, pick(old_logp), advantages[rows].to(device)[:, None], micro_mask,
+                                    teacher_logp=pick(teacher_logp), ref_logp=pick(ref_logp), entropy=entropy,
+                                    **loss_kwargs)
+        if not torch.isfinite(loss):
+            skipped = f"non-finite loss {loss.item()}"
+            break
+        (loss * weight).backward()
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + value * float(weight)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) if skipped is None else None
+    if skipped is None and not torch.isfinite(grad_norm):
+        skipped = f"non-finite gradient norm {grad_norm.item()}"
+    if skipped is None:
+        optimizer.step()
+        totals["grad_norm"] = float(grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return totals, skipped
+
+
+def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0):
+    """One SFT step (warm-up and stage 1) on (prompt_text, completion_text) pairs: token-mean negative
+    log-likelihood of the completion plus end-of-turn, prompt tokens masked out. Returns the loss."""
+    tokenizer, model = policy.tokenizer, policy.model
+    stop = policy.stop_ids[0] if policy.stop_ids else tokenizer.eos_token_id
+    prompts = [encode_chat(tokenizer, p) for p, _ in examples]
+    completions = [tokenizer(c, add_special_tokens=False)["input_ids"] + [stop] for _, c in examples]
+    mask = response_mask(completions)
+    total, value = mask.sum(), 0.0
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    for rows in micro_batches(prompts, completions, max_batch_tokens):
+        logits, targets = forward_logits(model, [prompts[i] for i in rows], [completions[i] for i in rows],
+                                         policy.pad_id)
+        logp = L.token_logprobs(logits, targets)                                    # (b, r)
+        micro_mask = mask[rows, :logp.shape[1]].to(logp.device)
+        micro_loss = -(logp * micro_mask).sum() / total
+        micro_loss.backward()
+        value += micro_loss.item()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return value
+
+
+def save_metrics_line(path, record):
+    """Append one JSON line and flush it to disk (a crash loses at most the line being written)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,310 @@
+"""
+train.py: the SEED training script -- one flat loop, nanoGPT style.
+
+    python train.py                                   # embedded default: tiny model, household env, CPU
+    python train.py --algo grpo                       # the baseline: same loop, no analysis, lambda = 0
+    python train.py --env alfworld --model Qwen/Qwen2.5-1.5B-Instruct   # real ALFWorld on a GPU
+
+Stages (--stage): `all` (default) = warm-up of the tiny model when --model tiny, stage 1 (analyzer SFT on
+hindsight skills), stage 2 (RL); `sft` = stage 1 only; `rl` = stage 2 only. Each RL update has the phases
+eval, rollout, analyze, re-score, advantage, loss/backward, log, step, save.
+
+Departures from the paper: stage-1 skills come from skills.annotate (a rule-based hindsight annotator
+reading the env's ground truth) or a user's JSONL instead of a strong LLM; the tiny model needs a
+warm-up that a pretrained instruct model does not (warmup.py).
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+
+import torch
+
+import seed
+import skills
+
+
+def get_config(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    # what to run
+    add("--stage", default="all", choices=["all", "sft", "rl"], help="all = warm-up (tiny) + stage 1 + stage 2")
+    add("--algo", default="seed", choices=["seed", "grpo"], help="seed = GRPO + self-analysis distillation")
+    add("--env", default="household", help="household (embedded) or alfworld (real engine)")
+    add("--data-dir", default=None, help="ALFWorld data folder (default $ALFWORLD_DATA, else synthetic games)")
+    add("--model", default="tiny", help="'tiny' (built offline) or a Hugging Face model name or folder")
+    add("--out-dir", default="out", help="checkpoints, metrics.jsonl, eval.jsonl and config.json go here")
+    add("--resume", action="store_true", help="continue from the latest checkpoint in --out-dir")
+    add("--seed", type=int, default=0, help="seeds task sampling, generation and initialisation")
+    add("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
+    add("--gradient-checkpointing", action="store_true", help="trade compute for activation memory")
+    # rollouts
+    add("--updates", type=int, default=20, help="number of RL policy updates")
+    add("--tasks-per-update", type=int, default=8, help="N tasks per update (paper: 16)")
+    add("--group-size", type=int, default=4, help="G rollouts per task, the GRPO group (paper: 8)")
+    add("--max-steps", type=int, default=None, help="env steps per episode (default: env's own, ALFWorld 30)")
+    add("--history-window", type=int, default=3, help="past (observation, action) pairs in the prompt (paper: 5)")
+    add("--temperature", type=float, default=1.0, help="sampling temperature of rollouts and of re-scoring")
+    add("--max-new-tokens", type=int, default=48, help="response token limit per step (paper: 512)")
+    add("--max-prompt-tokens", type=int, default=2048, help="prompt token limit (longer prompts keep their end)")
+    add("--invalid-penalty", type=float, default=0.1, help="score penalty for a response without <action>")
+    # self-analysis
+    add("--analysis-temperature", type=float, default=0.0, help="analyzer sampling temperature, 0 = greedy")
+    add("--analysis-max-new-tokens", type=int, default=96, help="analyzer output token limit")
+    add("--analysis-prompt-tokens", type=int, default=1024, help="analyzer prompt token budget")
+    # loss
+    add("--distill-coef", type=float, default=1e-3, help="lambda: weight of delta (paper/OPID 1e-3)")
+    add("--distill-mode", default="advantage", choices=["advantage", "loss", "gated"], help="how delta enters")
+    add("--gate-beta", type=float, default=5.0, help="sharpness of the gate in --distill-mode gated")
+    add("--kl-coef", type=float, default=0.0, help="k3 KL to the initial policy (paper 0.01; needs a 2nd model)")
+    add("--entropy-coef", type=float, default=0.0, help="entropy bonus (paper 0.001)")
+    add("--clip-low", type=float, default=0.2, help="PPO clip below 1")
+    add("--clip-high", type=float, default=0.2, help="PPO clip above 1")
+    add("--dual-clip", type=float, default=3.0, help="dual-clip bound for negative advantages")
+    add("--agg", default="token-mean", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
+        help="loss aggregation")
+    # optimisation
+    add("--lr", type=float, default=None, help="learning rate (default: 1e-6 for HF models, 2e-4 for tiny)")
+    add("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    add("--grad-clip", type=float, default=1.0, help="max gradient norm")
+    add("--layout", default="padded", choices=["padded", "packed"], help="batch layout for scoring/training")
+    add("--max-batch-tokens", type=int, default=16384, help="micro-batch size in tokens (gradient accumulation)")
+    # stage 1 and warm-up
+    add("--sft-data", default=None, help="stage-1 JSONL of {prompt, completion} (default: annotate expert runs)")
+    add("--sft-steps", type=int, default=100, help="stage-1 optimizer steps")
+    add("--sft-batch-size", type=int, default=16, help="stage-1 examples per step")
+    add("--sft-lr", type=float, default=1e-5, help="stage-1 learning rate (HF models)")
+    add("--warmup-steps", type=int, default=600, help="tiny-model warm-up optimizer steps (cached per config)")
+    add("--cache-dir", default="cache", help="where the warm-started tiny model is cached")
+    # evaluation, logging, checkpoints
+    add("--eval-every", type=int, default=10, help="evaluate every K updates (and at start and end)")
+    add("--eval-tasks", type=int, default=48, help="tasks per evaluation split")
+    add("--eval-temperature", type=float, default=0.0, help="evaluation sampling temperature, 0 = greedy")
+    add("--save-every", type=int, default=5, help="checkpoint every K updates (and at the end)")
+    add("--keep-checkpoints", type=int, default=2, help="how many recent checkpoints to keep")
+    cfg = p.parse_args(argv)
+    for name in ["updates", "tasks_per_update", "group_size", "max_new_tokens", "max_batch_tokens", "eval_every",
+                 "save_every", "keep_checkpoints", "eval_tasks", "analysis_max_new_tokens", "max_prompt_tokens"]:
+        if getattr(cfg, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.algo == "seed" and cfg.group_size < 2:
+        p.error("--group-size must be at least 2: GRPO needs a group to compare rollouts")
+    if cfg.max_steps is not None and cfg.max_steps < 1:
+        p.error(f"--max-steps must be at least 1, got {cfg.max_steps}")
+    if cfg.lr is None:
+        cfg.lr = 2e-4 if cfg.model == "tiny" else 1e-6
+    return cfg
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def evaluate(policy, cfg, split, envs):
+    """Greedy (by default) single rollouts on the first --eval-tasks tasks of a split; success overall
+    (micro over episodes, macro over task types) and per task type."""
+    trajectories = seed.rollout(policy, envs, list(range(cfg.eval_tasks)), 1, cfg.max_steps, cfg.max_new_tokens,
+                                cfg.eval_temperature, cfg.history_window, cfg.invalid_penalty,
+                                cfg.max_prompt_tokens, env_name=cfg.env, desc=f"eval {split}",
+                                generator=torch.Generator(policy.device).manual_seed(cfg.seed))
+    per_type = {}
+    for t in trajectories:
+        per_type.setdefault(t["task_type"], []).append(float(t["won"]))
+    by_type = {k: sum(v) / len(v) for k, v in sorted(per_type.items())}
+    return {"split": split, "micro": sum(t["won"] for t in trajectories) / len(trajectories),
+            "macro": sum(by_type.values()) / len(by_type), "per_type": by_type,
+            "steps": sum(len(t["steps"]) for t in trajectories) / len(trajectories)}
+
+
+def print_eval_table(rows):
+    types = sorted({k for r in rows for k in r["per_type"]})
+    print(f"{'when':>10} {'split':>13} {'micro':>6} {'macro':>6} " + " ".join(f"{t[:12]:>12}" for t in types))
+    for r in rows:
+        print(f"{r['when']:>10} {r['split']:>13} {r['micro']:6.3f} {r['macro']:6.3f} "
+              + " ".join(f"{r['per_type'].get(t, float('nan')):12.3f}" for t in types))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(cfg, policy, optimizer, update):
+    """Atomic: everything goes into a temporary folder that is renamed into place, then the `latest`
+    pointer is replaced with os.replace. A crash leaves the previous checkpoint intact."""
+    root = os.path.join(cfg.out_dir, "checkpoints")
+    final = os.path.join(root, f"update_{update:06d}")
+    temporary = final + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    policy.model.save_pretrained(temporary)
+    policy.tokenizer.save_pretrained(temporary)
+    state = {"update": update, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+             "python_rng": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    torch.save(state, os.path.join(temporary, "trainer.pt"))
+    with open(os.path.join(temporary, "config.json.train"), "w") as f:
+        json.dump(vars(cfg), f, indent=1)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(temporary, final)
+    pointer = os.path.join(root, "latest")
+    with open(pointer + ".tmp", "w") as f:
+        f.write(os.path.basename(final))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer + ".tmp", pointer)
+    kept = sorted(d for d in os.listdir(root) if d.startswith("update_") and not d.endswith(".tmp"))
+    for old in kept[:-cfg.keep_checkpoints]:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(out_dir):
+    pointer = os.path.join(out_dir, "checkpoints", "latest")
+    if not os.path.exists(pointer):
+        return None
+    with open(pointer) as f:
+        path = os.path.join(out_dir, "checkpoints", f.read().strip())
+    return path if os.path.exists(os.path.join(path, "trainer.pt")) else None
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(cfg):
+    import envs
+    import warmup
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    print("config:", json.dumps(vars(cfg), indent=1))
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(vars(cfg), f, indent=1)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    env_options = warmup.env_options(cfg)  # resolves ALFWorld data (synthetic games if none) and max steps
+    cfg.max_steps = cfg.max_steps or env_options.pop("default_max_steps")
+
+    # ---- policy: resume, or warm-up (tiny) / load (HF), then stage 1
+    checkpoint = latest_checkpoint(cfg.out_dir) if cfg.resume else None
+    if cfg.resume and checkpoint is None:
+        print(f"--resume: no checkpoint in {cfg.out_dir}/checkpoints, starting fresh")
+    if checkpoint:
+        print(f"resuming from {checkpoint}")
+        policy = seed.load_policy(checkpoint, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
+    else:
+        model_path = warmup.warm_start(cfg, env_options) if cfg.model == "tiny" else cfg.model
+        policy = seed.load_policy(model_path, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
+        if cfg.model == "tiny":
+            print("stage 1: part of the tiny model's warm-up mixture (analyzer SFT on skills.annotate)")
+        elif cfg.stage in ("all", "sft") and cfg.algo == "seed":
+            warmup.stage1_sft(cfg, policy, env_options)
+            if cfg.stage == "sft":
+                policy.model.save_pretrained(os.path.join(cfg.out_dir, "sft"))
+                policy.tokenizer.save_pretrained(os.path.join(cfg.out_dir, "sft"))
+                print(f"stage 1 done: saved {cfg.out_dir}/sft")
+                return
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    reference = None
+    if cfg.kl_coef > 0:  # frozen copy of the starting policy for the k3 KL term
+        reference = seed.load_policy(checkpoint or model_path, cfg.device, cfg.dtype).model.eval()
+    start = 0
+    if checkpoint:
+        state = torch.load(os.path.join(checkpoint, "trainer.pt"), weights_only=True)
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        if "cuda_rng" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        start = state["update"]
+
+    n_envs = cfg.tasks_per_update * cfg.group_size
+    train_envs = [envs.make_env(cfg.env, "train", cfg.seed + i, **env_options) for i in range(n_envs)]
+    eval_envs = {split: [envs.make_env(cfg.env, split, i, **env_options) for i in range(cfg.eval_tasks)]
+                 for split in ("valid_seen", "valid_unseen")}
+    loss_kwargs = dict(distill_coef=cfg.distill_coef if cfg.algo == "seed" else 0.0, distill_mode=cfg.distill_mode,
+                       gate_beta=cfg.gate_beta, kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef,
+                       clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg)
+    metrics_path, eval_path = (os.path.join(cfg.out_dir, name) for name in ("metrics.jsonl", "eval.jsonl"))
+    eval_rows = []
+
+    for update in range(start, cfg.updates + 1):
+        # ---- eval: at the start, every --eval-every updates and at the end
+        if update == start or update % cfg.eval_every == 0 or update == cfg.updates:
+            for split, split_envs in eval_envs.items():
+                result = evaluate(policy, cfg, split, split_envs)
+                result.update(when=f"update {update}", update=update)
+                eval_rows.append(result)
+                seed.save_metrics_line(eval_path, result)
+            print_eval_table(eval_rows[-2:])
+        if update == cfg.updates:
+            break
+        t0 = time.time()
+        times = {}
+
+        # ---- rollout: N tasks x G rollouts with the ordinary prompt, pre-update weights
+        task_seeds = random.Random(cfg.seed * 1_000_003 + update).sample(range(10 ** 6), cfg.tasks_per_update)
+        trajectories = seed.rollout(policy, train_envs, task_seeds, cfg.group_size, cfg.max_steps, cfg.max_new_tokens,
+                                    cfg.temperature, cfg.history_window, cfg.invalid_penalty,
+                                    cfg.max_prompt_tokens, env_name=cfg.env)
+        times["rollout"] = time.time() - t0
+
+        # ---- analyze: the same weights write one hindsight skill per trajectory (SEED only)
+        t1 = time.time()
+        skill_list = None
+        if cfg.algo == "seed":
+            skill_list, _ = seed.analyze(policy, trajectories, cfg.analysis_prompt_tokens,
+                                         cfg.analysis_max_new_tokens, cfg.analysis_temperature)
+        times["analyze"] = time.time() - t1
+
+        # ---- re-score: old / teacher / reference log-probs of the same sampled tokens
+        t2 = time.time()
+        rows = seed.step_rows(trajectories, skill_list)
+        old_logp, teacher_logp, ref_logp = seed.rescore(policy, rows, cfg.temperature, cfg.layout,
+                                                        cfg.max_batch_tokens, reference)
+        times["rescore"] = time.time() - t2
+
+        # ---- advantage: GRPO per task group, broadcast to every step (delta is added inside the loss)
+        advantages = seed.trajectory_advantages(trajectories)[rows["trajectory"]]  # (B,)
+
+        # ---- loss/backward + step
+        t3 = time.time()
+        metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages,
+                                              old_logp, teacher_logp if cfg.algo == "seed" else None, ref_logp,
+                                              loss_kwargs, cfg.temperature, cfg.layout, cfg.max_batch_tokens,
+                                              cfg.grad_clip)
+        times["update"] = time.time() - t3
+
+        # ---- log
+        record = {"update": update + 1, "success": sum(t["won"] for t in trajectories) / len(trajectories),
+                  "reward": sum(t["reward"] for t in trajectories) / len(trajectories),
+                  "steps": sum(len(t["steps"]) for t in trajectories) / len(trajectories),
+                  "rows": len(rows["prompts"]), "skipped": skipped,
+                  "invalid_share": sum(not s["valid"] for t in trajectories for s in t["steps"]) / len(rows["prompts"]),
+                  "parse_fail": (sum(s is None for s in skill_list) / len(skill_list)) if skill_list else None,
+                  "time": time.time() - t0, **{f"time_{k}": v for k, v in times.items()}, **metrics}
+        seed.save_metrics_line(metrics_path, record)
+        parse = "-" if record["parse_fail"] is None else f"{record['parse_fail']:.2f}"
+        print(f"update {update + 1}/{cfg.updates} | success {record['success']:.2f} | reward {record['reward']:.2f} "
+              f"| delta_abs {metrics.get('delta_abs_mean', 0):.4f} | parse_fail {parse} | kl {metrics.get('kl', 0):.4f} "
+              f"| pg_loss {metrics.get('pg_loss', 0):+.4f} | {record['time']:.1f}s"
+              + (f" | SKIPPED: {skipped}" if skipped else ""))
+
+        # ---- save
+        if (update + 1) % cfg.save_every == 0 or update + 1 == cfg.updates:
+            save_checkpoint(cfg, policy, optimizer, update + 1)
+
+    summary = {"eval": eval_rows, "out_dir": cfg.out_dir}
+    with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("final evaluation (success rate):")
+    print_eval_table([r for r in eval_rows if r["update"] in (eval_rows[0]["update"], eval_rows[-1]["update"])])
+    return summary
+
+
+if __name__ == "__main__":
+    config = get_config()
+    try:
+        main(config)
+    except KeyboardInterrupt:
+        sys.exit("interrupted: the last checkpoint in --out-dir is intact; continue with --resume")
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as error:
+        if os.environ.get("SEED_DEBUG"):
+            raise
+        sys.exit(f"error: {error}\n(set SEED_DEBUG=1 for the traceback)")

@@ -1,0 +1,200 @@
+"""
+warmup.py: what a pretrained instruct model brings, taught to the tiny model; and stage-1 analyzer SFT.
+
+`--model tiny` starts from random weights, so before RL it is taught, by supervised learning on
+demonstrations in the real prompt format, the three things SEED assumes an instruct model can do:
+  1. act: behaviour cloning of the household expert (a searching expert that does not know where things
+     are) on states visited by an epsilon-noisy version of it, so the data covers recoveries;
+  2. follow a skill: the same prompts with a hindsight skill inserted (skills.with_skill), labelled with
+     an oracle expert that knows what the skill says (where the object was), so a skill in the context
+     changes the action probabilities the way it would for an instruct model;
+  3. analyze: stage-1 SFT on (skills.analyzer_prompt -> skills.annotate) for successes and failures.
+The result is cached under --cache-dir keyed by the settings, so later runs start from it at once.
+Stage 1 for any model (`stage1_sft`) is step 3 alone, on the annotator's outputs or a user's JSONL.
+
+Departures from the paper: the paper starts from Qwen2.5-Instruct and annotates with a strong LLM; the
+tiny model's warm-up and the rule-based annotator stand in for both. Run: python train.py (calls this).
+"""
+import hashlib
+import json
+import os
+import random
+import shutil
+
+import torch
+from tqdm.auto import tqdm
+
+import seed
+import skills
+
+WARMUP_VERSION = 1  # bump when the demonstrations change, so stale caches are not reused
+
+
+def env_options(cfg):
+    """Keyword options for envs.make_env, plus 'default_max_steps'. For --env alfworld without data,
+    writes synthetic games with the package's own PDDL (envs_alfworld.generate_games) and says so."""
+    if cfg.env == "household":
+        return {"max_steps": cfg.max_steps or 20, "default_max_steps": 20}
+    if cfg.env == "alfworld":
+        data_dir = cfg.data_dir or os.environ.get("ALFWORLD_DATA")
+        if not data_dir:
+            import envs_alfworld
+            data_dir = os.path.join(cfg.out_dir, "alfworld_synthetic")
+            if not os.path.isdir(os.path.join(data_dir, "json_2.1.1")):
+                print(f"no ALFWorld data given (--data-dir or $ALFWORLD_DATA): generating synthetic games in {data_dir}")
+                for split in ("train", "valid_seen", "valid_unseen"):
+                    envs_alfworld.generate_games(data_dir, 6 if split == "train" else 3, seed=cfg.seed, split=split)
+            else:
+                print(f"no ALFWorld data given: using the synthetic games in {data_dir}")
+        return {"data_dir": data_dir, "max_steps": cfg.max_steps or 30, "default_max_steps": 30}
+    raise ValueError(f"unknown env {cfg.env!r}; valid names: household, alfworld")
+
+
+# ----------------------------------------------------------------------------- demonstrations
+
+def subgoal(gt, holding, transformed):
+    """A short reasoning text for the expert's <think>: the current subgoal."""
+    obj = gt.get("goal_object") or "object"
+    if not holding:
+        return f"find the {obj}"
+    verb = {"pick_heat_then_place_in_recep": "heat", "pick_cool_then_place_in_recep": "cool",
+            "pick_clean_then_place_in_recep": "clean"}.get(gt.get("task_type"))
+    if verb and not transformed:
+        return f"{verb} the {obj}"
+    if gt.get("task_type") == "look_at_obj_in_light":
+        return "find the desklamp"
+    return f"put the {obj} in the {gt.get('goal_receptacle') or 'target'}"
+
+
+def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="household", skill=None):
+    """Play one episode with the env's expert. The executed action is the expert's with probability
+    1 - epsilon (else a random admissible one); every step is labelled with the expert's own choice.
+    With `skill`, the oracle expert acts (it knows where objects are, as the skill tells) and prompts
+    carry the skill block. Returns (trajectory, labelled examples [(prompt, response)])."""
+    observation, info = env.reset(task_seed)
+    trajectory = {"task": info["task"], "task_type": info.get("task_type"), "won": False, "reward": 0.0,
+                  "steps": [], "gt": None}
+    history, examples, pending, done = [], [], [], False
+    while not done:
+        prompt = seed.render_prompt(info["task"], history, observation, info.get("admissible", []), history_window,
+                                    env_name)
+        best = env.expert_action(0.0, oracle=skill is not None)
+        action = env.expert_action(epsilon, rng, oracle=skill is not None)
+        pending.append((prompt if skill is None else skills.with_skill(prompt, skill), best, action))
+        previous = observation
+        observation, reward, done, info = env.step(action)
+        trajectory["steps"].append({"observation": previous, "action": action, "reward": float(reward),
+                                    "valid": bool(info.get("valid", True)), "response": None})
+        trajectory["reward"] += float(reward)
+        history.append((previous, action))
+    trajectory["won"], trajectory["gt"] = bool(info.get("won")), info.get("gt") or {}
+    # the <think> text needs the goal from the ground truth, known at the end: fill responses now
+    holding = transformed = False
+    for step, (prompt, best, action) in zip(trajectory["steps"], pending):
+        think = subgoal(trajectory["gt"], holding, transformed)
+        examples.append((prompt, f"<think>{think}</think><action>{best}</action>"))
+        step["response"] = f"<think>{think}</think><action>{action}</action>"
+        if step["valid"]:
+            verb = action.split(" ", 1)[0]
+            holding = verb == "take" or (holding and verb != "move")
+            transformed = transformed or verb in ("heat", "cool", "clean")
+    return trajectory, examples
+
+
+def demonstrations(env, n_episodes, history_window, seed_value=0, env_name="household", desc="demonstrations"):
+    """Behaviour-cloning, skill-following and analyzer examples from n_episodes expert episodes with
+    mixed noise (epsilon 0 to 0.6: successes and failures for the analyzer)."""
+    rng = random.Random(seed_value)
+    act, follow, analyze = [], [], []
+    for episode in tqdm(range(n_episodes), desc=desc, leave=False):
+        task_seed = rng.randrange(10 ** 6)
+        epsilon = rng.choice([0.0, 0.1, 0.2, 0.4, 0.6])
+        trajectory, examples = expert_episode(env, task_seed, epsilon, rng, history_window, env_name)
+        act += examples
+        completion = skills.annotate(trajectory, trajectory["gt"], rng=rng)
+        analyze.append((trajectory, completion))
+        skill = skills.parse_skill(completion, task=trajectory["task"])
+        if skill is not None and hasattr(env, "expert_action"):
+            _, examples = expert_episode(env, task_seed, 0.0, rng, history_window, env_name, skill=skill)
+            follow += examples
+    return act, follow, analyze
+
+
+def analyzer_examples(policy, analyzed, max_tokens):
+    count = lambda text: len(policy.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return [(skills.analyzer_prompt(t, max_tokens=max_tokens, count_tokens=count), c) for t, c in analyzed]
+
+
+def supervised_training(policy, mixture, steps, batch_size, lr, max_batch_tokens, seed_value=0, desc="warm-up"):
+    """AdamW with a linear decay over `steps` steps; each step draws batch_size examples from the
+    mixture [(weight, examples)]. Returns the loss of the last 20 steps on average."""
+    rng = random.Random(seed_value)
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / max(1, steps))
+    weights = [w for w, examples in mixture if examples]
+    pools = [examples for _, examples in mixture if examples]
+    losses = []
+    bar = tqdm(range(steps), desc=desc, leave=False)
+    for _ in bar:
+        batch = [rng.choice(rng.choices(pools, weights)[0]) for _ in range(batch_size)]
+        losses.append(seed.supervised_step(policy, optimizer, batch, max_batch_tokens))
+        schedule.step()
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    return sum(losses[-20:]) / max(1, len(losses[-20:]))
+
+
+def warm_start(cfg, options):
+    """Path of the warm-started tiny model for this config, building and caching it when missing."""
+    import envs
+    settings = {"version": WARMUP_VERSION, "env": cfg.env, "steps": cfg.warmup_steps, "seed": cfg.seed,
+                "history_window": cfg.history_window, "analysis_prompt_tokens": cfg.analysis_prompt_tokens,
+                "options": {k: v for k, v in options.items() if k != "default_max_steps"}}
+    key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(cfg.cache_dir, f"tiny-{cfg.env}-{key}")
+    if os.path.exists(os.path.join(path, "warmup.json")):
+        print(f"warm-up: reusing the cached tiny model {path}")
+        return path
+    env_kwargs = {k: v for k, v in options.items() if k != "default_max_steps"}
+    env = envs.make_env(cfg.env, "train", cfg.seed, **env_kwargs)
+    n_episodes = max(64, cfg.warmup_steps)
+    act, follow, analyzed = demonstrations(env, n_episodes, cfg.history_window, cfg.seed, cfg.env)
+    corpus = [p + r for p, r in act[:2000] + follow[:1000]]
+    corpus += [skills.analyzer_prompt(t) + c for t, c in analyzed[:1000]]
+    temporary = path + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    policy = seed.build_tiny_policy(corpus, temporary, seed=cfg.seed)
+    analyze = analyzer_examples(policy, analyzed, cfg.analysis_prompt_tokens)
+    print(f"warm-up: {len(act)} acting, {len(follow)} skill-following and {len(analyze)} analyzer examples "
+          f"from {n_episodes} expert episodes; {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M "
+          f"parameters, vocabulary {len(policy.tokenizer)}")
+    loss = supervised_training(policy, [(0.45, act), (0.25, follow), (0.30, analyze)], cfg.warmup_steps,
+                               cfg.sft_batch_size, 1e-3, cfg.max_batch_tokens, cfg.seed)
+    policy.model.save_pretrained(temporary)
+    policy.tokenizer.save_pretrained(temporary)
+    with open(os.path.join(temporary, "warmup.json"), "w") as f:
+        json.dump({**settings, "final_loss": loss, "examples": [len(act), len(follow), len(analyze)]}, f, indent=1)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(temporary, path)  # complete or absent: a killed warm-up is redone, never half-used
+    print(f"warm-up: done, final loss {loss:.3f}, cached in {path}")
+    return path
+
+
+def stage1_sft(cfg, policy, options):
+    """Stage 1: teach the policy to analyze trajectories, on --sft-data JSONL or on the annotator's skills
+    for expert episodes (successes and failures) of the training split."""
+    if cfg.sft_steps == 0:
+        return
+    if cfg.sft_data:
+        examples = [(r["prompt"], r["completion"]) for r in skills.read_jsonl(cfg.sft_data)]
+        source = cfg.sft_data
+    else:
+        import envs
+        env = envs.make_env(cfg.env, "train", cfg.seed + 1, **{k: v for k, v in options.items()
+                                                                if k != "default_max_steps"})
+        _, _, analyzed = demonstrations(env, max(32, cfg.sft_steps), cfg.history_window, cfg.seed + 1, cfg.env,
+                                        desc="stage-1 data")
+        examples = analyzer_examples(policy, analyzed, cfg.analysis_prompt_tokens)
+        source = "skills.annotate on expert episodes"
+    loss = supervised_training(policy, [(1.0, examples)], cfg.sft_steps, cfg.sft_batch_size, cfg.sft_lr,
+                               cfg.max_batch_tokens, cfg.seed, desc="stage 1")
+    print(f"stage 1: {cfg.sft_steps} steps on {len(examples)} examples from {source}, final loss {loss:.3f}")
