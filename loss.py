@@ -181,12 +181,15 @@ def seed_delta(teacher_logp, old_logp, mask):
 
 def seed_loss(logp, old_logp, advantages, mask, *, teacher_logp=None, ref_logp=None, entropy=None,
               distill_coef=1e-3, distill_mode="advantage", gate_beta=5.0, kl_coef=0.0, entropy_coef=0.0,
-              clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="token-mean"):
+              clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="token-mean", teacher_mask=None):
     """PPO-clip on (SEED-shaped) advantages + optional distillation, k3 KL and entropy terms -> (loss, metrics).
 
     logp (..., T) log pi_theta(y_t | h) with gradient; old_logp, teacher_logp (under h^), ref_logp, entropy and
     mask share its shape; advantages (..., T) per token or (...) / (..., 1) per row. Only logp and entropy
-    carry gradient. distill_mode (does nothing when teacher_logp is None or distill_coef is 0):
+    carry gradient. teacher_mask (default: mask) marks the tokens that have a teacher: a row whose analysis
+    did not parse gets 0 there, so no distillation term of any mode touches it (the gated term would
+    otherwise push its tokens up with gate 0.5). distill_mode (no effect when teacher_logp is None or
+    distill_coef is 0):
       "advantage": A_t + distill_coef * delta_t inside PPO (SEED, OPID);
       "loss":      auxiliary -distill_coef * delta_t * logp_t (OPID's option);
       "gated":     distill_coef * g_t * (teacher_logp_t - logp_t), g_t = sigmoid(gate_beta * delta_t) (SDAR).
@@ -218,7 +221,8 @@ def seed_loss(logp, old_logp, advantages, mask, *, teacher_logp=None, ref_logp=N
     if advantages.shape == mask.shape[:-1]:
         advantages = advantages.unsqueeze(-1)  # one advantage per row
     advantages = clean(advantages)  # (..., T)
-    delta = seed_delta(teacher_logp, old_logp, mask) if teacher_logp is not None else torch.zeros_like(logp)
+    taught = valid if teacher_mask is None else valid & teacher_mask.bool()  # tokens with a teacher
+    delta = seed_delta(teacher_logp, old_logp, taught) if teacher_logp is not None else torch.zeros_like(logp)
     distill = teacher_logp is not None and distill_coef != 0
     if distill and distill_mode == "advantage":
         advantages = advantages + distill_coef * delta
@@ -241,7 +245,7 @@ def seed_loss(logp, old_logp, advantages, mask, *, teacher_logp=None, ref_logp=N
     if distill and distill_mode == "loss":
         distill_loss = aggregate(-distill_coef * delta * logp, mask, agg)
     elif distill and distill_mode == "gated":
-        gate = torch.sigmoid(gate_beta * delta)  # endorsed tokens pushed up, rejected ones only softened
+        gate = torch.where(taught, torch.sigmoid(gate_beta * delta), 0.0)  # endorsed up, rejected only softened
         distill_loss = aggregate(distill_coef * gate * (clean(teacher_logp.detach()) - logp), mask, agg)
     if distill and distill_mode != "advantage":
         loss = loss + distill_loss
@@ -261,6 +265,7 @@ def seed_loss(logp, old_logp, advantages, mask, *, teacher_logp=None, ref_logp=N
                   "pg_clipfrac_lower": mean(clipped_lower), "ppo_kl": mean(-log_ratio), "kl": mean(kl),
                   "entropy": mean(entropy) if entropy is not None else torch.zeros_like(pg_loss),
                   "adv_mean": mean(advantages), "delta_mean": mean(delta), "delta_abs_mean": mean(delta.abs()),
-                  "delta_pos_share": mean(delta > 0), "teacher_token_share": mean(delta != 0)}
+                  "delta_pos_share": mean(delta > 0),
+                  "teacher_token_share": mean(taught) if teacher_logp is not None else torch.zeros_like(pg_loss)}
         metrics = dict(zip(values, torch.stack([v.detach().float() for v in values.values()]).tolist()))
     return loss, metrics

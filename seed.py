@@ -392,21 +392,25 @@ def step_rows(trajectories, skill_per_trajectory=None):
     return rows
 
 
-def rescore(policy, rows, temperature=1.0, layout="padded", max_batch_tokens=16384, reference=None):
+def rescore(policy, rows, temperature=1.0, layout="padded", max_batch_tokens=16384, reference=None, need_old=True):
     """Old (ordinary prompt), teacher (skill prompt) and reference log-probs, (B, R) each, of the rows'
-    response tokens under the current, not yet updated weights. Teacher rows without a skill get the
-    old log-probs (delta exactly 0); ref is None without a reference model."""
+    response tokens under the current, not yet updated weights, and has_teacher (B,) bool. Teacher rows
+    without a skill hold the old log-probs (delta exactly 0); ref is None without a reference model.
+    need_old=False skips the student pass (old is then None): with one PPO epoch the update's own forward
+    pass runs on these same weights, so policy_update takes old = logp.detach() for free; the teacher
+    rows without a skill are then zeros, and has_teacher keeps them out of the loss."""
     score = lambda model, prompts, responses, desc: response_logprobs(
         model, prompts, responses, policy.pad_id, temperature, layout, max_batch_tokens, desc)
-    old = score(policy.model, rows["prompts"], rows["responses"], "re-score student")
-    teacher = old.clone()
+    old = score(policy.model, rows["prompts"], rows["responses"], "re-score student") if need_old else None
+    teacher = old.clone() if need_old else response_mask(rows["responses"]) * 0.0    # (B, R)
     with_skill = [i for i, text in enumerate(rows["teacher_prompts"]) if text is not None]
     if with_skill:
         prompts = [encode_chat(policy.tokenizer, rows["teacher_prompts"][i]) for i in with_skill]
         scored = score(policy.model, prompts, [rows["responses"][i] for i in with_skill], "re-score teacher")
         teacher[with_skill, :scored.shape[1]] = scored
     ref = None if reference is None else score(reference, rows["prompts"], rows["responses"], "re-score reference")
-    return old, teacher, ref
+    has_teacher = torch.tensor([text is not None for text in rows["teacher_prompts"]], dtype=torch.bool)
+    return old, teacher, ref, has_teacher
 
 
 def trajectory_advantages(trajectories, norm_std=True):
@@ -417,11 +421,12 @@ def trajectory_advantages(trajectories, norm_std=True):
 
 
 def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, teacher_logp=None, ref_logp=None,
-                  loss_kwargs=None, temperature=1.0, layout="padded", max_batch_tokens=16384, grad_clip=1.0,
-                  desc="update"):
+                  has_teacher=None, loss_kwargs=None, temperature=1.0, layout="padded", max_batch_tokens=16384,
+                  grad_clip=1.0, desc="update"):
     """One optimizer step over all rows with gradient accumulation.
-    advantages (B,) per row; old/teacher/ref log-probs (B, R) response-aligned (teacher rows without a
-    skill must equal old_logp there, so their delta is exactly 0). Micro-batch losses are weighted so the
+    advantages (B,) per row; old/teacher/ref log-probs (B, R) response-aligned (old None: this forward
+    pass's own detached log-probs, exact for one PPO epoch on unchanged weights); has_teacher (B,) bool marks
+    the rows whose trajectory got a skill (the others get no distillation term). Micro-batch losses are weighted so the
     sum equals the full-batch loss: token-mean by the micro-batch's share of valid tokens, seq-mean-* by
     its share of rows. Returns (metrics, skipped_reason or None)."""
     loss_kwargs = dict(loss_kwargs or {})
@@ -442,9 +447,11 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
                                          policy.pad_id, layout)
         logp = L.token_logprobs(logits, targets, temperature)                       # (b, r)
         entropy = L.entropy_from_logits(logits, temperature) if loss_kwargs.get("entropy_coef", 0) else None
-        loss, metrics = L.seed_loss(logp, pick(old_logp), advantages[rows].to(device)[:, None], micro_mask,
+        taught = None if has_teacher is None else micro_mask * has_teacher[rows].to(device)[:, None]  # (b, r)
+        old = logp.detach() if old_logp is None else pick(old_logp)  # same weights: ratio exactly 1
+        loss, metrics = L.seed_loss(logp, old, advantages[rows].to(device)[:, None], micro_mask,
                                     teacher_logp=pick(teacher_logp), ref_logp=pick(ref_logp), entropy=entropy,
-                                    **loss_kwargs)
+                                    teacher_mask=taught, **loss_kwargs)
         if not torch.isfinite(loss):
             skipped = f"non-finite loss {loss.item()}"
             break

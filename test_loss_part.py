@@ -316,8 +316,27 @@ def test_metrics_names_and_delta_statistics():
                  "delta_abs_mean", "delta_pos_share", "teacher_token_share"):
         assert isinstance(metrics[name], float), name
     assert metrics["delta_mean"] == pytest.approx(-0.3 / 4) and metrics["delta_abs_mean"] == pytest.approx(1.7 / 4)
-    assert metrics["delta_pos_share"] == 0.5 and metrics["teacher_token_share"] == 0.75, metrics
+    assert metrics["delta_pos_share"] == 0.5 and metrics["teacher_token_share"] == 1.0, metrics
     assert metrics["adv_mean"] == pytest.approx(1 + 1e-3 * -0.3 / 4), metrics
+
+
+@pytest.mark.parametrize("distill_mode", DISTILL_MODES)
+def test_teacher_mask_leaves_untaught_rows_plain_grpo(distill_mode):
+    """A row whose analysis failed (teacher_mask 0) gets exactly the plain-GRPO gradient in every mode."""
+    torch.manual_seed(7)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    old = -torch.rand(2, 4)
+    teacher = old + torch.randn(2, 4)
+    taught = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0]])  # row 1 has no skill
+    grads = []
+    for kwargs in ({"teacher_logp": teacher, "teacher_mask": taught, "distill_coef": 0.5}, {}):
+        logp = old.clone().requires_grad_()
+        loss, metrics = seed_loss(logp, old, torch.tensor([1.0, -1.0]), mask, distill_mode=distill_mode, **kwargs)
+        loss.backward()
+        grads.append(logp.grad)
+    difference = (grads[0][1] - grads[1][1]).abs().max().item()
+    assert difference == 0.0, f"untaught row gradient differs from plain GRPO by {difference}"
+    assert (grads[0][0] - grads[1][0]).abs().max().item() > 1e-4, "the taught row must feel the teacher"
 
 
 def test_docstring_examples():

@@ -24,7 +24,7 @@ import time
 import torch
 
 import seed
-import skills
+import warmup
 
 
 def get_config(argv=None):
@@ -79,6 +79,7 @@ def get_config(argv=None):
     add("--sft-batch-size", type=int, default=16, help="stage-1 examples per step")
     add("--sft-lr", type=float, default=1e-5, help="stage-1 learning rate (HF models)")
     add("--warmup-steps", type=int, default=600, help="tiny-model warm-up optimizer steps (cached per config)")
+    add("--warmup-seed", type=int, default=0, help="seed of the tiny warm-up (runs with different --seed share it)")
     add("--cache-dir", default="cache", help="where the warm-started tiny model is cached")
     # evaluation, logging, checkpoints
     add("--eval-every", type=int, default=10, help="evaluate every K updates (and at start and end)")
@@ -91,7 +92,7 @@ def get_config(argv=None):
                  "save_every", "keep_checkpoints", "eval_tasks", "analysis_max_new_tokens", "max_prompt_tokens"]:
         if getattr(cfg, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    if cfg.algo == "seed" and cfg.group_size < 2:
+    if cfg.group_size < 2:  # both algos: a group of one has GRPO advantage 0, so nothing would be learned
         p.error("--group-size must be at least 2: GRPO needs a group to compare rollouts")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         p.error(f"--max-steps must be at least 1, got {cfg.max_steps}")
@@ -169,9 +170,26 @@ def latest_checkpoint(out_dir):
 
 # ----------------------------------------------------------------------------- main
 
+def start_model(cfg, env_options):
+    """Folder of the policy RL starts from, made on first use: the tiny model's cached warm-up (whose
+    mixture includes stage 1), or an HF model after stage-1 analyzer SFT (saved in <out-dir>/sft), or the
+    HF model itself for --stage rl, --algo grpo or --sft-steps 0."""
+    if cfg.model == "tiny":
+        return warmup.warm_start(cfg, env_options)
+    if cfg.stage == "rl" or cfg.algo == "grpo" or cfg.sft_steps == 0:
+        return cfg.model
+    path = os.path.join(cfg.out_dir, "sft")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        policy = seed.load_policy(cfg.model, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
+        warmup.stage1_sft(cfg, policy, env_options)
+        policy.model.save_pretrained(path + ".tmp")
+        policy.tokenizer.save_pretrained(path + ".tmp")
+        os.replace(path + ".tmp", path)  # complete or absent
+    return path
+
+
 def main(cfg):
     import envs
-    import warmup
     os.makedirs(cfg.out_dir, exist_ok=True)
     print("config:", json.dumps(vars(cfg), indent=1))
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
@@ -179,7 +197,8 @@ def main(cfg):
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     env_options = warmup.env_options(cfg)  # resolves ALFWorld data (synthetic games if none) and max steps
-    cfg.max_steps = cfg.max_steps or env_options.pop("default_max_steps")
+    default_max_steps = env_options.pop("default_max_steps")  # always removed: make_env does not take it
+    cfg.max_steps = cfg.max_steps or default_max_steps
 
     # ---- policy: resume, or warm-up (tiny) / load (HF), then stage 1
     checkpoint = latest_checkpoint(cfg.out_dir) if cfg.resume else None
@@ -189,21 +208,19 @@ def main(cfg):
         print(f"resuming from {checkpoint}")
         policy = seed.load_policy(checkpoint, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
     else:
-        model_path = warmup.warm_start(cfg, env_options) if cfg.model == "tiny" else cfg.model
-        policy = seed.load_policy(model_path, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
-        if cfg.model == "tiny":
-            print("stage 1: part of the tiny model's warm-up mixture (analyzer SFT on skills.annotate)")
-        elif cfg.stage in ("all", "sft") and cfg.algo == "seed":
-            warmup.stage1_sft(cfg, policy, env_options)
-            if cfg.stage == "sft":
-                policy.model.save_pretrained(os.path.join(cfg.out_dir, "sft"))
-                policy.tokenizer.save_pretrained(os.path.join(cfg.out_dir, "sft"))
-                print(f"stage 1 done: saved {cfg.out_dir}/sft")
-                return
+        policy = seed.load_policy(start_model(cfg, env_options), cfg.device, cfg.dtype, cfg.gradient_checkpointing)
+        if cfg.stage == "sft":
+            print(f"stage 1 done: the model is in {start_model(cfg, env_options)}")
+            return
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     reference = None
-    if cfg.kl_coef > 0:  # frozen copy of the starting policy for the k3 KL term
-        reference = seed.load_policy(checkpoint or model_path, cfg.device, cfg.dtype).model.eval()
+    if cfg.kl_coef > 0:  # frozen copy of the policy RL started from, for the k3 KL term; a resumed run too
+        # (not its checkpoint, which would reset the KL to 0): start_model finds the cached start again
+        reference = seed.load_policy(start_model(cfg, env_options), cfg.device, cfg.dtype).model.eval()
+    # seeded again here: building the warm-up (a cache miss) draws from the RNG and reading it from the cache
+    # does not, and a run must not depend on which happened
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
     start = 0
     if checkpoint:
         state = torch.load(os.path.join(checkpoint, "trainer.pt"), weights_only=True)
@@ -256,8 +273,9 @@ def main(cfg):
         # ---- re-score: old / teacher / reference log-probs of the same sampled tokens
         t2 = time.time()
         rows = seed.step_rows(trajectories, skill_list)
-        old_logp, teacher_logp, ref_logp = seed.rescore(policy, rows, cfg.temperature, cfg.layout,
-                                                        cfg.max_batch_tokens, reference)
+        # (no student pass: with one PPO epoch the update's forward gives log pi_old exactly, see seed.rescore)
+        old_logp, teacher_logp, ref_logp, has_teacher = seed.rescore(policy, rows, cfg.temperature, cfg.layout,
+                                                                     cfg.max_batch_tokens, reference, need_old=False)
         times["rescore"] = time.time() - t2
 
         # ---- advantage: GRPO per task group, broadcast to every step (delta is added inside the loss)
@@ -267,8 +285,8 @@ def main(cfg):
         t3 = time.time()
         metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages,
                                               old_logp, teacher_logp if cfg.algo == "seed" else None, ref_logp,
-                                              loss_kwargs, cfg.temperature, cfg.layout, cfg.max_batch_tokens,
-                                              cfg.grad_clip)
+                                              has_teacher, loss_kwargs, cfg.temperature, cfg.layout,
+                                              cfg.max_batch_tokens, cfg.grad_clip)
         times["update"] = time.time() - t3
 
         # ---- log

@@ -52,6 +52,16 @@ def env_options(cfg):
 
 # ----------------------------------------------------------------------------- demonstrations
 
+def demonstration_env(cfg, options, seed_value):
+    """The env whose expert plays the demonstrations. They need the household expert's noisy and oracle
+    modes, which ALFWorld's planner lacks; the household env renders ALFWorld's text and six task
+    families, so the demonstrations for --env alfworld come from it (said in the log)."""
+    import envs
+    if cfg.env != "household":
+        print(f"demonstrations come from the household env: the {cfg.env} expert has no noisy or oracle mode")
+    return envs.make_env("household", "train", seed_value, max_steps=options["max_steps"])
+
+
 def subgoal(gt, holding, transformed):
     """A short reasoning text for the expert's <think>: the current subgoal."""
     obj = gt.get("goal_object") or "object"
@@ -145,8 +155,7 @@ def supervised_training(policy, mixture, steps, batch_size, lr, max_batch_tokens
 
 def warm_start(cfg, options):
     """Path of the warm-started tiny model for this config, building and caching it when missing."""
-    import envs
-    settings = {"version": WARMUP_VERSION, "env": cfg.env, "steps": cfg.warmup_steps, "seed": cfg.seed,
+    settings = {"version": WARMUP_VERSION, "env": cfg.env, "steps": cfg.warmup_steps, "seed": cfg.warmup_seed,
                 "history_window": cfg.history_window, "analysis_prompt_tokens": cfg.analysis_prompt_tokens,
                 "options": {k: v for k, v in options.items() if k != "default_max_steps"}}
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
@@ -154,21 +163,20 @@ def warm_start(cfg, options):
     if os.path.exists(os.path.join(path, "warmup.json")):
         print(f"warm-up: reusing the cached tiny model {path}")
         return path
-    env_kwargs = {k: v for k, v in options.items() if k != "default_max_steps"}
-    env = envs.make_env(cfg.env, "train", cfg.seed, **env_kwargs)
+    env = demonstration_env(cfg, options, cfg.warmup_seed)
     n_episodes = max(64, cfg.warmup_steps)
-    act, follow, analyzed = demonstrations(env, n_episodes, cfg.history_window, cfg.seed, cfg.env)
+    act, follow, analyzed = demonstrations(env, n_episodes, cfg.history_window, cfg.warmup_seed, cfg.env)
     corpus = [p + r for p, r in act[:2000] + follow[:1000]]
     corpus += [skills.analyzer_prompt(t) + c for t, c in analyzed[:1000]]
     temporary = path + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
-    policy = seed.build_tiny_policy(corpus, temporary, seed=cfg.seed)
+    policy = seed.build_tiny_policy(corpus, temporary, seed=cfg.warmup_seed)
     analyze = analyzer_examples(policy, analyzed, cfg.analysis_prompt_tokens)
     print(f"warm-up: {len(act)} acting, {len(follow)} skill-following and {len(analyze)} analyzer examples "
           f"from {n_episodes} expert episodes; {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M "
           f"parameters, vocabulary {len(policy.tokenizer)}")
     loss = supervised_training(policy, [(0.45, act), (0.25, follow), (0.30, analyze)], cfg.warmup_steps,
-                               cfg.sft_batch_size, 1e-3, cfg.max_batch_tokens, cfg.seed)
+                               cfg.sft_batch_size, 1e-3, cfg.max_batch_tokens, cfg.warmup_seed)
     policy.model.save_pretrained(temporary)
     policy.tokenizer.save_pretrained(temporary)
     with open(os.path.join(temporary, "warmup.json"), "w") as f:
@@ -188,9 +196,7 @@ def stage1_sft(cfg, policy, options):
         examples = [(r["prompt"], r["completion"]) for r in skills.read_jsonl(cfg.sft_data)]
         source = cfg.sft_data
     else:
-        import envs
-        env = envs.make_env(cfg.env, "train", cfg.seed + 1, **{k: v for k, v in options.items()
-                                                                if k != "default_max_steps"})
+        env = demonstration_env(cfg, options, cfg.seed + 1)
         _, _, analyzed = demonstrations(env, max(32, cfg.sft_steps), cfg.history_window, cfg.seed + 1, cfg.env,
                                         desc="stage-1 data")
         examples = analyzer_examples(policy, analyzed, cfg.analysis_prompt_tokens)

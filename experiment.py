@@ -1,0 +1,202 @@
+"""
+experiment.py: SEED vs GRPO on the embedded household env, and a picture of the distillation signal.
+
+    python experiment.py --seeds 0 1 2                       # both algorithms x 3 seeds, one warm-start
+    python experiment.py --seeds 0 --updates 2 --smoke       # a quick check that the pipeline runs
+    python experiment.py --picture out/seed-0                # delta picture of one trajectory (HTML + terminal)
+
+Every run starts from the same cached warm-start (train.py --warmup-seed), gets the same episode budget
+(--updates x --tasks-per-update x --group-size) and is evaluated every --eval-every updates on valid_seen
+and valid_unseen. The table (mean and spread over seeds against training episodes), the episodes SEED
+needs to reach GRPO's final success, and the analyzer parse rate and delta statistics over training go
+to <root>/experiment.md, plus experiment.png when matplotlib is installed. Extra arguments after `--`
+go to every train.py run (e.g. -- --distill-coef 0.1 --distill-mode gated).
+"""
+import argparse
+import html
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def run_training(algo, seed_value, args, extra):
+    out_dir = os.path.join(args.root, f"{algo}-{seed_value}")
+    if os.path.exists(os.path.join(out_dir, "summary.json")) and not args.rerun:
+        print(f"{out_dir}: done before, reusing (--rerun to redo)")
+        return out_dir
+    command = [sys.executable, "train.py", "--algo", algo, "--seed", str(seed_value), "--out-dir", out_dir,
+               "--updates", str(args.updates), "--eval-every", str(args.eval_every), "--cache-dir", args.cache_dir,
+               "--warmup-seed", str(args.warmup_seed)] + extra
+    print("running:", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+    return out_dir
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def spread(values):
+    return (statistics.mean(values), statistics.pstdev(values)) if values else (float("nan"), float("nan"))
+
+
+def summarise(args, runs):
+    """Markdown table: success on both splits vs training episodes, mean +- std over seeds."""
+    config = json.load(open(os.path.join(runs[0][2], "config.json")))
+    per_update = config["tasks_per_update"] * config["group_size"]
+    lines = [f"# SEED vs GRPO on the household env ({len(args.seeds)} seeds, {per_update} episodes per update)", "",
+             "| algo | split | " + " | ".join(f"{u * per_update} ep" for u in evaluation_updates(runs)) + " |",
+             "|---|---|" + "---|" * len(evaluation_updates(runs))]
+    curves = {}
+    for algo in args.algos:
+        for split in ("valid_seen", "valid_unseen"):
+            row = []
+            for update in evaluation_updates(runs):
+                values = [r["micro"] for a, _, d in runs if a == algo for r in read_jsonl(os.path.join(d, "eval.jsonl"))
+                          if r["split"] == split and r["update"] == update]
+                mean, std = spread(values)
+                curves.setdefault((algo, split), []).append((update * per_update, mean, std))
+                row.append(f"{mean:.3f} ± {std:.3f}")
+            lines.append(f"| {algo} | {split} | " + " | ".join(row) + " |")
+    lines += ["", "Episodes to reach GRPO's final success (valid_seen, mean over seeds):"]
+    if ("grpo", "valid_seen") in curves and ("seed", "valid_seen") in curves:
+        target = curves[("grpo", "valid_seen")][-1][1]
+        reached = next((episodes for episodes, mean, _ in curves[("seed", "valid_seen")] if mean >= target), None)
+        grpo_episodes = curves[("grpo", "valid_seen")][-1][0]
+        lines.append(f"GRPO final {target:.3f} after {grpo_episodes} episodes; SEED reaches it after "
+                     + (f"{reached} episodes ({1 - reached / max(1, grpo_episodes):.0%} fewer)" if reached is not None
+                        else "never within the budget"))
+    lines += ["", "| algo | parse_fail (first -> last update) | delta_abs_mean | teacher_token_share | |A_grpo| |",
+              "|---|---|---|---|---|"]
+    for algo in args.algos:
+        metrics = [read_jsonl(os.path.join(d, "metrics.jsonl")) for a, _, d in runs if a == algo]
+        first = [m[0].get("parse_fail") for m in metrics if m and m[0].get("parse_fail") is not None]
+        last = [m[-1].get("parse_fail") for m in metrics if m and m[-1].get("parse_fail") is not None]
+        delta = [x["delta_abs_mean"] for m in metrics for x in m if "delta_abs_mean" in x]
+        share = [x["teacher_token_share"] for m in metrics for x in m if "teacher_token_share" in x]
+        advantage = [abs(x["adv_mean"]) for m in metrics for x in m if "adv_mean" in x]
+        fmt = lambda v: f"{statistics.mean(v):.3f}" if v else "-"
+        lines.append(f"| {algo} | {fmt(first)} -> {fmt(last)} | {fmt(delta)} | {fmt(share)} | {fmt(advantage)} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.root, "experiment.md"), "w") as f:
+        f.write(text)
+    print(text)
+    plot(args, curves)
+
+
+def evaluation_updates(runs):
+    return sorted({r["update"] for _, _, d in runs for r in read_jsonl(os.path.join(d, "eval.jsonl"))})
+
+
+def plot(args, curves):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for axis, split in zip(axes, ("valid_seen", "valid_unseen")):
+        for algo in args.algos:
+            points = curves.get((algo, split), [])
+            x, mean, std = zip(*points) if points else ([], [], [])
+            axis.plot(x, mean, marker="o", label=algo)
+            axis.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+        axis.set_title(split)
+        axis.set_xlabel("training episodes")
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("success rate")
+    axes[0].legend()
+    path = os.path.join(args.root, "experiment.png")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def picture(run_dir, task_seed=0, max_tries=8):
+    """One trajectory of the run's latest policy, its self-written skill, and every response token
+    coloured by delta = log p(token | prompt + skill) - log p(token | prompt): green up, red down."""
+    import envs
+    import seed
+    import train
+    config = json.load(open(os.path.join(run_dir, "config.json")))
+    checkpoint = train.latest_checkpoint(run_dir)
+    if checkpoint is None:
+        sys.exit(f"error: no checkpoint in {run_dir}/checkpoints")
+    policy = seed.load_policy(checkpoint, device="cpu", dtype="float32")
+    env = envs.make_env(config["env"], "train", 0, max_steps=config["max_steps"])
+    for attempt in range(max_tries):  # the picture needs a trajectory whose analysis parsed
+        trajectories = seed.rollout(policy, [env], [task_seed + attempt], 1, config["max_steps"],
+                                    config["max_new_tokens"], config["temperature"], config["history_window"],
+                                    env_name=config["env"])
+        skill_list, raw = seed.analyze(policy, trajectories, config["analysis_prompt_tokens"],
+                                       config["analysis_max_new_tokens"])
+        if skill_list[0] is not None:
+            break
+    else:
+        sys.exit(f"error: the policy's analysis did not parse in {max_tries} tries (last output: {raw[0][:200]!r})")
+    rows = seed.step_rows(trajectories, skill_list)
+    old, teacher, _, _ = seed.rescore(policy, rows, config["temperature"])
+    delta = (teacher - old) * seed.response_mask(rows["responses"])                 # (B, R)
+    scale = max(1e-6, float(delta.abs().max()))
+    parts_html, parts_terminal = [], []
+    for row, response in enumerate(rows["responses"]):
+        spans, colored = [], []
+        for position, token in enumerate(response):
+            text = policy.tokenizer.decode([token])
+            value = float(delta[row, position])
+            strength = min(1.0, abs(value) / scale)
+            rgb = (int(255 * (1 - strength)), 255, int(255 * (1 - strength))) if value > 0 else \
+                (255, int(255 * (1 - strength)), int(255 * (1 - strength)))
+            spans.append(f'<span title="{value:+.3f}" style="background:rgb{rgb}">{html.escape(text)}</span>')
+            code = 42 if value > 0.05 * scale else 41 if value < -0.05 * scale else 0
+            colored.append(f"\033[{code}m{text}\033[0m" if code else text)
+        parts_html.append(f"<p><b>step {row + 1}</b> {''.join(spans)}</p>")
+        parts_terminal.append(f"step {row + 1:2d}  {''.join(colored)}")
+    trajectory = trajectories[0]
+    header = f"task: {trajectory['task']} | won: {trajectory['won']} | skill: {skill_list[0]}"
+    page = (f"<html><body style='font-family:monospace'><h3>{html.escape(header)}</h3>"
+            f"<p>green: the skill made the sampled token likelier; red: less likely (hover for delta)</p>"
+            + "".join(parts_html) + "</body></html>")
+    path = os.path.join(run_dir, "delta.html")
+    with open(path, "w") as f:
+        f.write(page)
+    print(header)
+    print("\n".join(parts_terminal))
+    print(f"wrote {path} (max |delta| {scale:.3f})")
+    return path
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds per algorithm")
+    p.add_argument("--algos", nargs="+", default=["seed", "grpo"], choices=["seed", "grpo"], help="algorithms")
+    p.add_argument("--updates", type=int, default=12, help="RL updates per run (equal episode budgets)")
+    p.add_argument("--eval-every", type=int, default=3, help="evaluate every K updates")
+    p.add_argument("--root", default="out/experiment", help="one sub-folder per run, plus the table")
+    p.add_argument("--cache-dir", default="cache", help="where the shared warm-start is cached")
+    p.add_argument("--warmup-seed", type=int, default=0, help="the one warm-start all runs share")
+    p.add_argument("--rerun", action="store_true", help="redo runs that finished before")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, measures nothing")
+    p.add_argument("--picture", metavar="RUN_DIR", help="write the delta picture for a finished run and exit")
+    args = p.parse_args(argv)
+    if args.picture:
+        return picture(args.picture)
+    if args.smoke:
+        extra = ["--warmup-steps", "2", "--tasks-per-update", "2", "--group-size", "2", "--max-steps", "3",
+                 "--max-new-tokens", "8", "--eval-tasks", "2", "--analysis-max-new-tokens", "16"] + extra
+    os.makedirs(args.root, exist_ok=True)
+    runs = [(algo, s, run_training(algo, s, args, extra)) for s in args.seeds for algo in args.algos]
+    summarise(args, runs)
+    return runs
+
+
+if __name__ == "__main__":
+    main()
