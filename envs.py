@@ -38,7 +38,7 @@ import zlib
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
 # One place to add the vision and WebShop envs when they land.
-ENV_NAMES = ("household", "alfworld")
+ENV_NAMES = ("household", "alfworld", "webshop")
 
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
               "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
@@ -481,6 +481,9 @@ def make_env(name="household", split="train", seed=0, **options):
     if name == "alfworld":
         from envs_alfworld import AlfworldEnv  # the real engine is optional: import it only when asked for
         return AlfworldEnv(split, seed, **options)
+    if name == "webshop":
+        from envs_webshop import WebshopEnv  # HTTP client; starts the offline mini WebShop when no server is given
+        return WebshopEnv(split, seed, **options)
     raise ValueError(f"unknown env {name!r}; valid names: {', '.join(ENV_NAMES)}")
 
 

@@ -37,6 +37,7 @@ import skills
 HEADERS = {  # first line of the agent prompt per env family (verl-agent templates)
     "household": "You are an expert agent operating in the ALFRED Embodied Environment.",
     "alfworld": "You are an expert agent operating in the ALFRED Embodied Environment.",
+    "webshop": "You are an expert autonomous agent operating in the WebShop e-commerce environment.",
 }
 INSTRUCTION = ("Now it's your turn to take an action.\n"
                "You should first reason step-by-step about the current situation. This reasoning process "
@@ -468,25 +469,36 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
     return totals, skipped
 
 
-def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0):
+def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0, prompt_weight=0.0):
     """One SFT step (warm-up and stage 1) on (prompt_text, completion_text) pairs: token-mean negative
-    log-likelihood of the completion plus end-of-turn, prompt tokens masked out. Returns the loss."""
+    log-likelihood of the completion plus end-of-turn. prompt_weight > 0 adds that times the token-mean
+    language-modelling loss on the prompt tokens (the tiny model's stand-in for pretraining: every token is
+    a training signal, which teaches it to read the task and copy names far sooner than the ~15 completion
+    tokens alone). Returns the completion loss."""
     tokenizer, model = policy.tokenizer, policy.model
     stop = policy.stop_ids[0] if policy.stop_ids else tokenizer.eos_token_id
     prompts = [encode_chat(tokenizer, p) for p, _ in examples]
     completions = [tokenizer(c, add_special_tokens=False)["input_ids"] + [stop] for _, c in examples]
-    mask = response_mask(completions)
-    total, value = mask.sum(), 0.0
+    if prompt_weight > 0:  # score the whole sequence after its first token; weights split prompt/completion
+        completions = [p[1:] + c for p, c in zip(prompts, completions)]
+        prompt_part = [len(p) - 1 for p in prompts]
+        prompts = [p[:1] for p in prompts]
+    mask = response_mask(completions)                                               # (B, R)
+    is_prompt = torch.zeros_like(mask)
+    if prompt_weight > 0:
+        is_prompt = (torch.arange(mask.shape[1])[None, :] < torch.tensor(prompt_part)[:, None]).float()
+    answer = mask * (1 - is_prompt)                                                 # (B, R)
+    weights = answer / answer.sum() + prompt_weight * is_prompt / is_prompt.sum().clamp(min=1)
+    value = 0.0
     model.train()
     optimizer.zero_grad(set_to_none=True)
     for rows in micro_batches(prompts, completions, max_batch_tokens):
         logits, targets = forward_logits(model, [prompts[i] for i in rows], [completions[i] for i in rows],
                                          policy.pad_id)
         logp = L.token_logprobs(logits, targets)                                    # (b, r)
-        micro_mask = mask[rows, :logp.shape[1]].to(logp.device)
-        micro_loss = -(logp * micro_mask).sum() / total
+        micro_loss = -(logp * weights[rows, :logp.shape[1]].to(logp.device)).sum()
         micro_loss.backward()
-        value += micro_loss.item()
+        value += float(-(logp.detach() * (answer[rows, :logp.shape[1]] / answer.sum()).to(logp.device)).sum())
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

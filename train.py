@@ -33,7 +33,7 @@ def get_config(argv=None):
     # what to run
     add("--stage", default="all", choices=["all", "sft", "rl"], help="all = warm-up (tiny) + stage 1 + stage 2")
     add("--algo", default="seed", choices=["seed", "grpo"], help="seed = GRPO + self-analysis distillation")
-    add("--env", default="household", help="household (embedded) or alfworld (real engine)")
+    add("--env", default="household", help="household (embedded), alfworld (real engine) or webshop ($WEBSHOP_URL, else the offline mini shop)")
     add("--data-dir", default=None, help="ALFWorld data folder (default $ALFWORLD_DATA, else synthetic games)")
     add("--model", default="tiny", help="'tiny' (built offline) or a Hugging Face model name or folder")
     add("--out-dir", default="out", help="checkpoints, metrics.jsonl, eval.jsonl and config.json go here")

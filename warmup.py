@@ -47,7 +47,9 @@ def env_options(cfg):
             else:
                 print(f"no ALFWorld data given: using the synthetic games in {data_dir}")
         return {"data_dir": data_dir, "max_steps": cfg.max_steps or 30, "default_max_steps": 30}
-    raise ValueError(f"unknown env {cfg.env!r}; valid names: household, alfworld")
+    if cfg.env == "webshop":  # the server in $WEBSHOP_URL, else the offline mini WebShop (envs_webshop)
+        return {"max_steps": cfg.max_steps or 15, "default_max_steps": 15}
+    raise ValueError(f"unknown env {cfg.env!r}; valid names: household, alfworld, webshop")
 
 
 # ----------------------------------------------------------------------------- demonstrations
@@ -57,13 +59,21 @@ def demonstration_env(cfg, options, seed_value):
     modes, which ALFWorld's planner lacks; the household env renders ALFWorld's text and six task
     families, so the demonstrations for --env alfworld come from it (said in the log)."""
     import envs
+    if cfg.env == "webshop":  # its expert has the noisy and oracle modes
+        return envs.make_env("webshop", "train", seed_value, **options)
     if cfg.env != "household":
         print(f"demonstrations come from the household env: the {cfg.env} expert has no noisy or oracle mode")
     return envs.make_env("household", "train", seed_value, max_steps=options["max_steps"])
 
 
-def subgoal(gt, holding, transformed):
+WEBSHOP_SUBGOALS = (("search[", "search for the product"), ("click[buy now]", "buy the item"),
+                    ("click[b0", "open a matching item"), ("click[", "choose what the goal asks"))
+
+
+def subgoal(gt, holding, transformed, action=""):
     """A short reasoning text for the expert's <think>: the current subgoal."""
+    if gt.get("env") == "webshop":
+        return next(text for prefix, text in WEBSHOP_SUBGOALS + (("", "shop"),) if action.startswith(prefix))
     obj = gt.get("goal_object") or "object"
     if not holding:
         return f"find the {obj}"
@@ -101,7 +111,7 @@ def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="house
     # the <think> text needs the goal from the ground truth, known at the end: fill responses now
     holding = transformed = False
     for step, (prompt, best, action) in zip(trajectory["steps"], pending):
-        think = subgoal(trajectory["gt"], holding, transformed)
+        think = subgoal(trajectory["gt"], holding, transformed, best.lower())
         examples.append((prompt, f"<think>{think}</think><action>{best}</action>"))
         step["response"] = f"<think>{think}</think><action>{action}</action>"
         if step["valid"]:
