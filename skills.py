@@ -12,7 +12,7 @@ Departures from the paper (and from OPID, whose prompt the paper's is inferred f
   ... | action: ..."). Over a token budget, middle steps go first ("... (N steps omitted) ..."), then long texts
   are cut; never the task, outcome or instruction.
 
-Run the tests: python -m pytest -q test_skills_part.py
+Run the tests: python -m pytest -q test_seed.py -k skill
 """
 import ast
 import itertools
