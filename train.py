@@ -43,7 +43,7 @@ def get_config(argv=None):
     add("--dtype", default=None, help="float32 or bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
     add("--gradient-checkpointing", action="store_true", help="trade compute for activation memory")
     # rollouts
-    add("--updates", type=int, default=20, help="number of RL policy updates")
+    add("--updates", type=int, default=10, help="number of RL policy updates (paper: 150)")
     add("--tasks-per-update", type=int, default=8, help="N tasks per update (paper: 16)")
     add("--group-size", type=int, default=4, help="G rollouts per task, the GRPO group (paper: 8)")
     add("--max-steps", type=int, default=None, help="env steps per episode (default: env's own, ALFWorld 30)")
@@ -57,7 +57,8 @@ def get_config(argv=None):
     add("--analysis-max-new-tokens", type=int, default=96, help="analyzer output token limit")
     add("--analysis-prompt-tokens", type=int, default=1024, help="analyzer prompt token budget")
     # loss
-    add("--distill-coef", type=float, default=1e-3, help="lambda: weight of delta (paper/OPID 1e-3)")
+    add("--distill-coef", type=float, default=None,
+        help="lambda: weight of delta (default: paper/OPID 1e-3 for HF models, 0.1 for tiny)")
     add("--distill-mode", default="advantage", choices=["advantage", "loss", "gated"], help="how delta enters")
     add("--gate-beta", type=float, default=5.0, help="sharpness of the gate in --distill-mode gated")
     add("--kl-coef", type=float, default=0.0, help="k3 KL to the initial policy (paper 0.01; needs a 2nd model)")
@@ -78,11 +79,11 @@ def get_config(argv=None):
     add("--sft-steps", type=int, default=100, help="stage-1 optimizer steps")
     add("--sft-batch-size", type=int, default=16, help="stage-1 examples per step")
     add("--sft-lr", type=float, default=1e-5, help="stage-1 learning rate (HF models)")
-    add("--warmup-steps", type=int, default=600, help="tiny-model warm-up optimizer steps (cached per config)")
+    add("--warmup-steps", type=int, default=1000, help="tiny-model warm-up optimizer steps (cached per config)")
     add("--warmup-seed", type=int, default=0, help="seed of the tiny warm-up (runs with different --seed share it)")
     add("--cache-dir", default="cache", help="where the warm-started tiny model is cached")
     # evaluation, logging, checkpoints
-    add("--eval-every", type=int, default=10, help="evaluate every K updates (and at start and end)")
+    add("--eval-every", type=int, default=5, help="evaluate every K updates (and at start and end)")
     add("--eval-tasks", type=int, default=48, help="tasks per evaluation split")
     add("--eval-temperature", type=float, default=0.0, help="evaluation sampling temperature, 0 = greedy")
     add("--save-every", type=int, default=5, help="checkpoint every K updates (and at the end)")
@@ -98,6 +99,8 @@ def get_config(argv=None):
         p.error(f"--max-steps must be at least 1, got {cfg.max_steps}")
     if cfg.lr is None:
         cfg.lr = 2e-4 if cfg.model == "tiny" else 1e-6
+    if cfg.distill_coef is None:  # the tiny model's delta and GRPO advantage are both O(1): 1e-3 would be noise
+        cfg.distill_coef = 0.1 if cfg.model == "tiny" else 1e-3
     return cfg
 
 
