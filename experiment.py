@@ -63,13 +63,18 @@ def summarise(args, runs):
             lines.append(f"| {algo} | {split} | " + " | ".join(row) + " |")
     lines += ["", "Episodes to reach GRPO's final success (valid_seen, mean over seeds):"]
     if ("grpo", "valid_seen") in curves and ("seed", "valid_seen") in curves:
-        target = curves[("grpo", "valid_seen")][-1][1]
-        reached = next((episodes for episodes, mean, _ in curves[("seed", "valid_seen")] if mean >= target), None)
+        start, target = curves[("grpo", "valid_seen")][0][1], curves[("grpo", "valid_seen")][-1][1]
         grpo_episodes = curves[("grpo", "valid_seen")][-1][0]
-        lines.append(f"GRPO final {target:.3f} after {grpo_episodes} episodes; SEED reaches it after "
-                     + (f"{reached} episodes ({1 - reached / max(1, grpo_episodes):.0%} fewer)" if reached is not None
-                        else "never within the budget"))
-    lines += ["", "| algo | parse_fail (first -> last update) | delta_abs_mean | teacher_token_share | |A_grpo| |",
+        if target <= start:  # nothing to reach: the comparison would credit SEED with its own starting point
+            lines.append(f"GRPO did not improve on the warm-start ({start:.3f} -> {target:.3f} after {grpo_episodes} "
+                         "episodes), so there is no episodes-to-reach comparison")
+        else:
+            reached = next((episodes for episodes, mean, _ in curves[("seed", "valid_seen")][1:] if mean >= target),
+                           None)
+            lines.append(f"GRPO final {target:.3f} after {grpo_episodes} episodes; SEED reaches it after "
+                         + (f"{reached} episodes ({1 - reached / max(1, grpo_episodes):.0%} fewer)"
+                            if reached is not None else "never within the budget"))
+    lines += ["", "| algo | parse_fail (first -> last update) | delta_abs_mean | teacher_token_share | adv_mean |",
               "|---|---|---|---|---|"]
     for algo in args.algos:
         metrics = [read_jsonl(os.path.join(d, "metrics.jsonl")) for a, _, d in runs if a == algo]
@@ -77,7 +82,7 @@ def summarise(args, runs):
         last = [m[-1].get("parse_fail") for m in metrics if m and m[-1].get("parse_fail") is not None]
         delta = [x["delta_abs_mean"] for m in metrics for x in m if "delta_abs_mean" in x]
         share = [x["teacher_token_share"] for m in metrics for x in m if "teacher_token_share" in x]
-        advantage = [abs(x["adv_mean"]) for m in metrics for x in m if "adv_mean" in x]
+        advantage = [x["adv_mean"] for m in metrics for x in m if "adv_mean" in x]  # token mean of A_grpo + lambda delta
         fmt = lambda v: f"{statistics.mean(v):.3f}" if v else "-"
         lines.append(f"| {algo} | {fmt(first)} -> {fmt(last)} | {fmt(delta)} | {fmt(share)} | {fmt(advantage)} |")
     text = "\n".join(lines) + "\n"
@@ -123,14 +128,18 @@ def picture(run_dir, task_seed=0, max_tries=8):
     import envs
     import seed
     import train
+    import warmup
     config = json.load(open(os.path.join(run_dir, "config.json")))
     checkpoint = train.latest_checkpoint(run_dir)
     if checkpoint is None:
         sys.exit(f"error: no checkpoint in {run_dir}/checkpoints")
     policy = seed.load_policy(checkpoint, device="cpu", dtype="float32")
-    env = envs.make_env(config["env"], "train", 0, max_steps=config["max_steps"])
+    options = warmup.env_options(argparse.Namespace(**config))  # the env exactly as the run had it
+    max_steps = config["max_steps"] or options.pop("default_max_steps")
+    options.pop("default_max_steps", None)
+    env = envs.make_env(config["env"], "train", 0, **{**options, "max_steps": max_steps})
     for attempt in range(max_tries):  # the picture needs a trajectory whose analysis parsed
-        trajectories = seed.rollout(policy, [env], [task_seed + attempt], 1, config["max_steps"],
+        trajectories = seed.rollout(policy, [env], [task_seed + attempt], 1, max_steps,
                                     config["max_new_tokens"], config["temperature"], config["history_window"],
                                     env_name=config["env"])
         skill_list, raw = seed.analyze(policy, trajectories, config["analysis_prompt_tokens"],
