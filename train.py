@@ -194,14 +194,14 @@ def start_model(cfg, env_options):
 def main(cfg):
     import envs
     os.makedirs(cfg.out_dir, exist_ok=True)
-    print("config:", json.dumps(vars(cfg), indent=1))
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(vars(cfg), f, indent=1)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     env_options = warmup.env_options(cfg)  # resolves ALFWorld data (synthetic games if none) and max steps
     default_max_steps = env_options.pop("default_max_steps")  # always removed: make_env does not take it
     cfg.max_steps = cfg.max_steps or default_max_steps
+    print("config:", json.dumps(vars(cfg), indent=1))  # printed and saved with every default resolved
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(vars(cfg), f, indent=1)
 
     # ---- policy: resume, or warm-up (tiny) / load (HF), then stage 1
     checkpoint = latest_checkpoint(cfg.out_dir) if cfg.resume else None
