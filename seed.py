@@ -479,14 +479,13 @@ def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_cl
     stop = policy.stop_ids[0] if policy.stop_ids else tokenizer.eos_token_id
     prompts = [encode_chat(tokenizer, p) for p, _ in examples]
     completions = [tokenizer(c, add_special_tokens=False)["input_ids"] + [stop] for _, c in examples]
+    prompt_part = torch.zeros(len(prompts), dtype=torch.long)  # leading scored tokens that belong to the prompt
     if prompt_weight > 0:  # score the whole sequence after its first token; weights split prompt/completion
         completions = [p[1:] + c for p, c in zip(prompts, completions)]
-        prompt_part = [len(p) - 1 for p in prompts]
+        prompt_part = torch.tensor([len(p) - 1 for p in prompts])
         prompts = [p[:1] for p in prompts]
     mask = response_mask(completions)                                               # (B, R)
-    is_prompt = torch.zeros_like(mask)
-    if prompt_weight > 0:
-        is_prompt = (torch.arange(mask.shape[1])[None, :] < torch.tensor(prompt_part)[:, None]).float()
+    is_prompt = (torch.arange(mask.shape[1])[None, :] < prompt_part[:, None]).float()  # (B, R)
     answer = mask * (1 - is_prompt)                                                 # (B, R)
     weights = answer / answer.sum() + prompt_weight * is_prompt / is_prompt.sum().clamp(min=1)
     value = 0.0
