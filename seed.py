@@ -25,6 +25,8 @@ import inspect
 import json
 import os
 import re
+import signal
+import threading
 
 import torch
 from tqdm.auto import tqdm
@@ -197,6 +199,7 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
                         use_cache=True, logits_to_keep=1, **{policy.cache_kwarg: cache})
             cache = out["cache"] if "cache" in out else out["past_key_values"]
             logits = out.logits[:, -1].float()                                     # (b, V)
+            logits = torch.nan_to_num(logits, nan=0.0, posinf=1e4, neginf=-1e4)  # NaN/inf: sample, let the update skip
             if temperature > 0:
                 logprobs = torch.log_softmax(logits / temperature, dim=-1)
                 token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (b,)
@@ -226,49 +229,106 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
 
 # ----------------------------------------------------------------------------- rollouts and analysis
 
+class EnvFailure(Exception):
+    """An env raised or hung: the rollout drops that trajectory and rebuilds the env."""
+
+
+def call_env(method, argument, timeout=None):
+    """method(argument), an env's reset or step, under a wall-clock limit of `timeout` seconds (None or 0: none).
+    Any exception, or a hang past the limit, becomes EnvFailure(reason). The limit is a SIGALRM timer, which
+    interrupts an env stuck in Python code or in a blocking call; it needs Unix and the main thread, elsewhere
+    the call runs without a limit (an env stuck inside C code that holds the GIL cannot be interrupted)."""
+    timed = bool(timeout) and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"no answer within {timeout:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm) if timed else None
+    try:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+        return method(argument)
+    except Exception as error:
+        name = getattr(method, "__name__", "call")
+        raise EnvFailure(f"env.{name} failed: {type(error).__name__}: {error}"[:300]) from error
+    finally:
+        if timed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+def restart_env(envs, index, env_factory=None, timeout=None):
+    """Close the broken envs[index] (its errors ignored) and put env_factory(index) in its place. Without a
+    factory the env stays, and its next reset decides whether it still works."""
+    if env_factory is None:
+        return
+    if hasattr(envs[index], "close"):
+        try:
+            call_env(lambda _: envs[index].close(), None, timeout)
+        except EnvFailure:
+            pass
+    envs[index] = env_factory(index)
+
+
 def rollout(policy, envs, task_seeds, group_size, max_steps, max_new_tokens=64, temperature=1.0,
             history_window=5, invalid_penalty=0.1, max_prompt_tokens=2048, batch_size=64, env_name="household",
-            desc="rollout", generator=None):
+            desc="rollout", generator=None, env_factory=None, env_timeout=None):
     """Play len(task_seeds) tasks x group_size rollouts together; envs must hold that many envs.
     Returns trajectories (the dict of skills.py's contract plus per-step 'prompt', 'prompt_ids',
-    'response_ids', 'sampled_logp', and per trajectory 'group' = index of its task)."""
+    'response_ids', 'sampled_logp', 'truncated', and per trajectory 'group' = index of its task).
+    An env that raises or hangs past env_timeout seconds ends its trajectory with 'dropped' = the reason
+    (callers leave those out) and is replaced in `envs` by env_factory(index) (see call_env, restart_env)."""
     assert len(envs) >= len(task_seeds) * group_size, "need one env per rollout"
     trajectories, live = [], []
     for task_index, task_seed in enumerate(task_seeds):
         for g in range(group_size):
-            env = envs[len(trajectories)]
-            observation, info = env.reset(task_seed)
-            trajectories.append({"task": info["task"], "task_type": info.get("task_type"), "won": False,
-                                 "reward": 0.0, "steps": [], "gt": None, "group": task_index, "seed": task_seed})
-            live.append({"env": env, "obs": observation, "info": info, "history": []})
+            index = len(trajectories)
+            trajectories.append({"task": "", "task_type": None, "won": False, "reward": 0.0, "steps": [], "gt": None,
+                                 "group": task_index, "seed": task_seed})
+            live.append(None)
+            try:
+                observation, info = call_env(envs[index].reset, task_seed, env_timeout)
+            except EnvFailure as failure:
+                trajectories[-1]["dropped"] = str(failure)
+                restart_env(envs, index, env_factory, env_timeout)
+                continue
+            trajectories[-1].update(task=info["task"], task_type=info.get("task_type"))
+            live[-1] = {"env": envs[index], "index": index, "obs": observation, "info": info, "history": []}
     truncated = 0
     bar = tqdm(total=max_steps, desc=desc, leave=False)
     for _ in range(max_steps):
         active = [i for i, state in enumerate(live) if state is not None]
         if not active:
             break
-        prompts, prompt_ids = [], []
+        prompts, prompt_ids, cut = [], [], []
         for i in active:
             state = live[i]
             text = render_prompt(trajectories[i]["task"], state["history"], state["obs"],
                                  state["info"].get("admissible", []), history_window, env_name)
             ids = encode_chat(policy.tokenizer, text)
-            if len(ids) > max_prompt_tokens:  # keep the end: the current observation and the instruction
+            cut.append(len(ids) > max_prompt_tokens)
+            if cut[-1]:  # keep the end: the current observation and the instruction
                 ids, truncated = ids[-max_prompt_tokens:], truncated + 1
             prompts.append(text)
             prompt_ids.append(ids)
         responses, logps = sample(policy, prompt_ids, max_new_tokens, temperature, batch_size, generator=generator)
-        for i, text, ids, response, logp in zip(active, prompts, prompt_ids, responses, logps):
+        for i, text, ids, response, logp, was_cut in zip(active, prompts, prompt_ids, responses, logps, cut):
             state, trajectory = live[i], trajectories[i]
             response_text = policy.tokenizer.decode(response, skip_special_tokens=True)
             action = parse_action(response_text)
-            observation, reward, done, info = state["env"].step(action if action is not None else "")
+            try:
+                observation, reward, done, info = call_env(state["env"].step, action if action is not None else "",
+                                                           env_timeout)
+            except EnvFailure as failure:
+                trajectory["dropped"], live[i] = str(failure), None
+                restart_env(envs, state["index"], env_factory, env_timeout)
+                continue
             reward -= invalid_penalty if action is None else 0.0
             trajectory["steps"].append({"observation": state["obs"], "response": response_text,
                                         "action": action or "", "reward": float(reward),
                                         "valid": bool(info.get("valid", True)) and action is not None,
                                         "prompt": text, "prompt_ids": ids, "response_ids": response,
-                                        "sampled_logp": logp})
+                                        "sampled_logp": logp, "truncated": was_cut})
             trajectory["reward"] += float(reward)
             state["history"].append((state["obs"], action or ""))
             state["obs"], state["info"] = observation, info
@@ -300,8 +360,8 @@ def analyze(policy, trajectories, max_prompt_tokens=1024, max_new_tokens=128, te
 
 def response_mask(responses, device="cpu"):
     """(B, R) float mask, 1 on the first len(response) positions: the tokens the sampler emitted."""
-    width = max(1, max(len(r) for r in responses))
-    lengths = torch.tensor([len(r) for r in responses], device=device)
+    width = max([1] + [len(r) for r in responses])
+    lengths = torch.tensor([len(r) for r in responses], device=device, dtype=torch.long)
     return (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
 
 
@@ -347,7 +407,7 @@ def response_logprobs(model, prompts, responses, pad_id, temperature=1.0, layout
                       desc=None):
     """Log-probs (B, R) of given response tokens under given prompts, without gradient, in micro-batches of
     about max_batch_tokens tokens. Row i of the result lines up with responses[i] (0 past its end)."""
-    result = torch.zeros(len(responses), max(1, max(len(r) for r in responses)))
+    result = torch.zeros(len(responses), max([1] + [len(r) for r in responses]))
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -388,7 +448,9 @@ def step_rows(trajectories, skill_per_trajectory=None):
         for step in trajectory["steps"]:
             rows["prompts"].append(step["prompt_ids"])
             rows["responses"].append(step["response_ids"])
-            rows["teacher_prompts"].append(None if skill is None else skills.with_skill(step["prompt"], skill))
+            # a prompt cut to --max-prompt-tokens lost its task line: no teacher context that matches it
+            no_teacher = skill is None or step.get("truncated", False)
+            rows["teacher_prompts"].append(None if no_teacher else skills.with_skill(step["prompt"], skill))
             rows["trajectory"].append(index)
     return rows
 
@@ -421,6 +483,20 @@ def trajectory_advantages(trajectories, norm_std=True):
     return L.grpo_advantages(scores, groups, norm_std=norm_std)
 
 
+def skip_reason(prompts, advantages, old_logp=None, teacher_logp=None, ref_logp=None):
+    """Why an update must not run on these inputs (no rows; NaN/inf in an advantage or a re-scored log-prob,
+    which would reach the weights), or None. Past the inputs, policy_update skips on a non-finite loss or
+    gradient norm."""
+    if not prompts:
+        return "no rows to train on (every trajectory was dropped)"
+    for name, value in (("advantages", advantages), ("old log-probs", old_logp), ("teacher log-probs", teacher_logp),
+                        ("reference log-probs", ref_logp)):
+        if value is not None and not torch.isfinite(value).all():
+            rows = (~torch.isfinite(value)).reshape(len(value), -1).any(-1).sum()
+            return f"non-finite {name} in {int(rows)} of {len(value)} rows"
+    return None
+
+
 def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, teacher_logp=None, ref_logp=None,
                   has_teacher=None, loss_kwargs=None, temperature=1.0, layout="padded", max_batch_tokens=16384,
                   grad_clip=1.0, desc="update"):
@@ -430,6 +506,9 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
     the rows whose trajectory got a skill (the others get no distillation term). Micro-batch losses are weighted so the
     sum equals the full-batch loss: token-mean by the micro-batch's share of valid tokens, seq-mean-* by
     its share of rows. Returns (metrics, skipped_reason or None)."""
+    reason = skip_reason(prompts, advantages, old_logp, teacher_logp, ref_logp)
+    if reason:
+        return {}, reason
     loss_kwargs = dict(loss_kwargs or {})
     model = policy.model
     model.train()
@@ -498,8 +577,8 @@ def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_cl
         micro_loss = -(logp * weights[rows, :logp.shape[1]].to(logp.device)).sum()
         micro_loss.backward()
         value += float(-(logp.detach() * (answer[rows, :logp.shape[1]] / answer.sum()).to(logp.device)).sum())
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
+    if torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)):  # NaN/inf: skip the step
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return value
 

@@ -15,9 +15,11 @@ warm-up that a pretrained instruct model does not (warmup.py).
 """
 import argparse
 import json
+import math
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 
@@ -53,6 +55,9 @@ def get_config(argv=None):
     add("--max-new-tokens", type=int, default=48, help="response token limit per step (paper: 512)")
     add("--max-prompt-tokens", type=int, default=2048, help="prompt token limit (longer prompts keep their end)")
     add("--invalid-penalty", type=float, default=0.1, help="score penalty for a response without <action>")
+    add("--env-timeout", type=float, default=120.0,
+        help="seconds an env reset/step may take; past it (or on an exception) the env is rebuilt and that "
+             "trajectory dropped from its group, logged (0 = no limit)")
     # self-analysis
     add("--analysis-temperature", type=float, default=0.0, help="analyzer sampling temperature, 0 = greedy")
     add("--analysis-max-new-tokens", type=int, default=96, help="analyzer output token limit")
@@ -98,6 +103,7 @@ def get_config(argv=None):
         p.error("--group-size must be at least 2: GRPO needs a group to compare rollouts")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         p.error(f"--max-steps must be at least 1, got {cfg.max_steps}")
+    check_config(cfg, p.error)
     if cfg.lr is None:
         cfg.lr = 2e-4 if cfg.model == "tiny" else 1e-6
     if cfg.distill_coef is None:  # tiny: 1e-3 x delta (mean |delta| 0.02) is invisible next to O(1) advantages;
@@ -106,22 +112,84 @@ def get_config(argv=None):
     return cfg
 
 
+def check_config(cfg, error):
+    """Reject values and combinations that would fail later or be silently ignored: error(message) once."""
+    for name, value in vars(cfg).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            error(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+    at_least = {"history_window": 0, "sft_steps": 0, "sft_batch_size": 1, "warmup_steps": 0,
+                "analysis_prompt_tokens": 1, "analysis_temperature": 0, "eval_temperature": 0, "weight_decay": 0,
+                "kl_coef": 0, "entropy_coef": 0, "invalid_penalty": 0, "clip_low": 0, "clip_high": 0,
+                "env_timeout": 0, "distill_coef": 0}
+    above = {"temperature": "the update re-scores the samples at this temperature", "grad_clip": "",
+             "gate_beta": "", "sft_lr": "", "lr": ""}
+    for name, low in at_least.items():
+        if getattr(cfg, name) is not None and getattr(cfg, name) < low:
+            error(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(cfg, name)}")
+    for name, why in above.items():
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+            error(f"--{name.replace('_', '-')} must be above 0, got {getattr(cfg, name)}" + (f" ({why})" if why else ""))
+    if cfg.clip_low >= 1:
+        error(f"--clip-low must be below 1 (the ratio is clipped to 1 - clip-low), got {cfg.clip_low}")
+    if cfg.dual_clip <= 1:
+        error(f"--dual-clip must be above 1, got {cfg.dual_clip}")
+    if cfg.dtype is not None and cfg.dtype not in ("float32", "bfloat16", "float16"):
+        error(f"--dtype must be float32, bfloat16 or float16, got {cfg.dtype!r}")
+    if cfg.device is not None:
+        try:
+            device = torch.device(cfg.device)
+        except RuntimeError:
+            error(f"--device must be cpu, cuda or cuda:N, got {cfg.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            error(f"--device {cfg.device}: this torch sees no CUDA device")
+    if cfg.stage == "sft" and cfg.algo == "grpo":
+        error("--stage sft trains the analyzer, which --algo grpo never uses")
+    if cfg.stage == "sft" and cfg.resume:
+        error("--resume continues stage-2 (RL) checkpoints; --stage sft has nothing to resume")
+    if cfg.sft_data is not None:
+        if cfg.model == "tiny":
+            error("--sft-data is for stage 1 of a Hugging Face model; the tiny model's warm-up makes its own data")
+        if cfg.stage == "rl" or cfg.algo == "grpo":
+            error(f"--sft-data is unused with --stage {cfg.stage} --algo {cfg.algo} (no stage 1 runs)")
+        if not os.path.isfile(cfg.sft_data):
+            error(f"--sft-data {cfg.sft_data}: no such file")
+    if cfg.data_dir is not None and cfg.env != "alfworld":
+        error(f"--data-dir is for --env alfworld; --env {cfg.env} does not read it")
+
+
+def kill_point(phase, update):
+    """Test hook: SEED_KILL_AT=<phase>:<update> makes the process SIGKILL itself here (the kill-and-resume test)."""
+    if os.environ.get("SEED_KILL_AT") == f"{phase}:{update}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 # ----------------------------------------------------------------------------- evaluation
 
-def evaluate(policy, cfg, split, envs):
+def evaluate(policy, cfg, split, envs, env_factory=None):
     """Greedy (by default) single rollouts on the first --eval-tasks tasks of a split; success overall
-    (micro over episodes, macro over task types) and per task type."""
+    (micro over episodes, macro over task types) and per task type; episodes whose env failed are left out."""
     trajectories = seed.rollout(policy, envs, list(range(cfg.eval_tasks)), 1, cfg.max_steps, cfg.max_new_tokens,
                                 cfg.eval_temperature, cfg.history_window, cfg.invalid_penalty,
                                 cfg.max_prompt_tokens, env_name=cfg.env, desc=f"eval {split}",
-                                generator=torch.Generator(policy.device).manual_seed(cfg.seed))
+                                generator=torch.Generator(policy.device).manual_seed(cfg.seed),
+                                env_factory=env_factory, env_timeout=cfg.env_timeout)
+    dropped = report_dropped(trajectories, f"eval {split}")
+    trajectories = [t for t in trajectories if not t.get("dropped")] or [{"won": False, "task_type": None, "steps": []}]
     per_type = {}
     for t in trajectories:
         per_type.setdefault(t["task_type"], []).append(float(t["won"]))
     by_type = {k: sum(v) / len(v) for k, v in sorted(per_type.items())}
     return {"split": split, "micro": sum(t["won"] for t in trajectories) / len(trajectories),
             "macro": sum(by_type.values()) / len(by_type), "per_type": by_type,
-            "steps": sum(len(t["steps"]) for t in trajectories) / len(trajectories)}
+            "steps": sum(len(t["steps"]) for t in trajectories) / len(trajectories), "dropped": dropped}
+
+
+def report_dropped(trajectories, where):
+    """Print why each dropped trajectory (an env that raised or hung) was dropped; return how many."""
+    reasons = [t["dropped"] for t in trajectories if t.get("dropped")]
+    for reason in reasons:
+        print(f"{where}: dropped a trajectory, env rebuilt: {reason}")
+    return len(reasons)
 
 
 def print_eval_table(rows):
@@ -143,6 +211,7 @@ def save_checkpoint(cfg, policy, optimizer, update):
     shutil.rmtree(temporary, ignore_errors=True)
     policy.model.save_pretrained(temporary)
     policy.tokenizer.save_pretrained(temporary)
+    kill_point("save", update)
     state = {"update": update, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
              "python_rng": random.getstate()}
     if torch.cuda.is_available():
@@ -152,6 +221,7 @@ def save_checkpoint(cfg, policy, optimizer, update):
         json.dump(vars(cfg), f, indent=1)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(temporary, final)
+    kill_point("save-pointer", update)
     pointer = os.path.join(root, "latest")
     with open(pointer + ".tmp", "w") as f:
         f.write(os.path.basename(final))
@@ -165,12 +235,69 @@ def save_checkpoint(cfg, policy, optimizer, update):
 
 
 def latest_checkpoint(out_dir):
+    """The folder checkpoints/latest names, None when there is no pointer; a pointer to a missing or incomplete
+    folder (never left by save_checkpoint, so damaged by hand or disk) is an error that says what to do."""
     pointer = os.path.join(out_dir, "checkpoints", "latest")
     if not os.path.exists(pointer):
         return None
     with open(pointer) as f:
-        path = os.path.join(out_dir, "checkpoints", f.read().strip())
-    return path if os.path.exists(os.path.join(path, "trainer.pt")) else None
+        name = f.read().strip()
+    path = os.path.join(out_dir, "checkpoints", name)
+    if not name or not os.path.isfile(os.path.join(path, "trainer.pt")):
+        others = sorted(d for d in os.listdir(os.path.dirname(pointer)) if d.startswith("update_") and d != name
+                        and os.path.isfile(os.path.join(os.path.dirname(pointer), d, "trainer.pt")))
+        raise ValueError(f"checkpoint {path!r} named by {pointer} is missing or has no trainer.pt; write the name of "
+                         f"an intact folder into that file ({', '.join(others) or 'there is none'}) or delete it "
+                         "to start fresh")
+    return path
+
+
+def read_trainer_state(checkpoint):
+    """trainer.pt of a checkpoint (weights_only=True: tensors and plain data, no code), or one clear error."""
+    path = os.path.join(checkpoint, "trainer.pt")
+    try:
+        state = torch.load(path, weights_only=True)
+        problem = None if isinstance(state, dict) else f"it holds a {type(state).__name__}, not a dict"
+    except Exception as error:  # a torn zip, garbage bytes, a foreign pickle: the file is unusable either way
+        state, problem = None, f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+    missing = sorted({"update", "optimizer", "torch_rng", "python_rng"} - set(state or {}))
+    if problem or missing:
+        raise ValueError(f"checkpoint {path} is corrupt ({problem or 'no ' + ', '.join(missing)}); point "
+                         "checkpoints/latest at an earlier update_* folder, or start without --resume")
+    return state
+
+
+def trim_log(path, keep, why):
+    """Rewrite a JSONL log with only its complete records that keep(record) accepts (atomically), say how many
+    lines went and why, and return the records. On (re)start this drops what a killed run wrote after its last
+    checkpoint, and a torn last line."""
+    if not os.path.exists(path):
+        return []
+    lines, records, total = [], [], 0
+    with open(path) as f:
+        for total, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and keep(record):
+                lines.append(line if line.endswith("\n") else line + "\n")
+                records.append(record)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
+    if total > len(lines):
+        print(f"{path}: dropped {total - len(lines)} line(s) {why}")
+    return records
+
+
+def check_context_window(cfg, policy):
+    """The longest prompt plus response must fit the model's position table."""
+    window = getattr(policy.model.config, "max_position_embeddings", None)
+    for prompt, new in (("max_prompt_tokens", "max_new_tokens"), ("analysis_prompt_tokens", "analysis_max_new_tokens")):
+        if window and getattr(cfg, prompt) + getattr(cfg, new) > window:
+            raise ValueError(f"--{prompt.replace('_', '-')} {getattr(cfg, prompt)} + --{new.replace('_', '-')} "
+                             f"{getattr(cfg, new)} exceed the model's context window of {window} tokens")
 
 
 # ----------------------------------------------------------------------------- main
@@ -211,13 +338,21 @@ def main(cfg):
         print(f"--resume: no checkpoint in {cfg.out_dir}/checkpoints, starting fresh")
     if checkpoint:
         print(f"resuming from {checkpoint}")
-        policy = seed.load_policy(checkpoint, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
+        state = read_trainer_state(checkpoint)
+        if state["update"] > cfg.updates:
+            raise ValueError(f"{checkpoint} is at update {state['update']}, past --updates {cfg.updates}")
+        try:
+            policy = seed.load_policy(checkpoint, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
+        except Exception as error:  # torn or foreign weights: say which folder, not a loader's traceback
+            raise ValueError(f"checkpoint {checkpoint}: the model does not load ({type(error).__name__}: "
+                             f"{(str(error).splitlines() or [''])[0][:200]})") from error
     else:
         start_path = start_model(cfg, env_options)
         if cfg.stage == "sft":
             print(f"stage 1 done: the model is in {start_path}")
             return
         policy = seed.load_policy(start_path, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
+    check_context_window(cfg, policy)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     reference = None
     if cfg.kl_coef > 0:  # frozen copy of the policy RL started from, for the k3 KL term; a resumed run too
@@ -229,7 +364,6 @@ def main(cfg):
     torch.manual_seed(cfg.seed)
     start = 0
     if checkpoint:
-        state = torch.load(os.path.join(checkpoint, "trainer.pt"), weights_only=True)
         optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
@@ -238,20 +372,25 @@ def main(cfg):
         start = state["update"]
 
     n_envs = cfg.tasks_per_update * cfg.group_size
-    train_envs = [envs.make_env(cfg.env, "train", cfg.seed + i, **env_options) for i in range(n_envs)]
-    eval_envs = {split: [envs.make_env(cfg.env, split, i, **env_options) for i in range(cfg.eval_tasks)]
-                 for split in ("valid_seen", "valid_unseen")}
+    # factories rebuild an env that raised or hung (seed.rollout); reset(seed) makes a rebuilt env play the same
+    train_factory = lambda i: envs.make_env(cfg.env, "train", cfg.seed + i, **env_options)
+    eval_factories = {split: lambda i, split=split: envs.make_env(cfg.env, split, i, **env_options)
+                      for split in ("valid_seen", "valid_unseen")}
+    train_envs = [train_factory(i) for i in range(n_envs)]
+    eval_envs = {split: [factory(i) for i in range(cfg.eval_tasks)] for split, factory in eval_factories.items()}
     loss_kwargs = dict(distill_coef=cfg.distill_coef if cfg.algo == "seed" else 0.0, distill_mode=cfg.distill_mode,
                        gate_beta=cfg.gate_beta, kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef,
                        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg)
     metrics_path, eval_path = (os.path.join(cfg.out_dir, name) for name in ("metrics.jsonl", "eval.jsonl"))
-    eval_rows = []
+    # lines past the checkpoint (a killed run's last update, a torn line) go; a fresh run starts new logs
+    trim_log(metrics_path, lambda r: r.get("update", 0) <= start, f"past update {start}, where this run starts")
+    eval_rows = trim_log(eval_path, lambda r: r.get("update", 0) < start, f"from update {start} on (redone)")
 
     for update in range(start, cfg.updates + 1):
-        # ---- eval: at the start, every --eval-every updates and at the end
-        if update == start or update % cfg.eval_every == 0 or update == cfg.updates:
+        # ---- eval: at update 0, every --eval-every updates and at the end (as a run never killed)
+        if update == 0 or update % cfg.eval_every == 0 or update == cfg.updates:
             for split, split_envs in eval_envs.items():
-                result = evaluate(policy, cfg, split, split_envs)
+                result = evaluate(policy, cfg, split, split_envs, eval_factories[split])
                 result.update(when=f"update {update}", update=update)
                 eval_rows.append(result)
                 seed.save_metrics_line(eval_path, result)
@@ -265,7 +404,11 @@ def main(cfg):
         task_seeds = random.Random(cfg.seed * 1_000_003 + update).sample(range(10 ** 6), cfg.tasks_per_update)
         trajectories = seed.rollout(policy, train_envs, task_seeds, cfg.group_size, cfg.max_steps, cfg.max_new_tokens,
                                     cfg.temperature, cfg.history_window, cfg.invalid_penalty,
-                                    cfg.max_prompt_tokens, env_name=cfg.env)
+                                    cfg.max_prompt_tokens, env_name=cfg.env, env_factory=train_factory,
+                                    env_timeout=cfg.env_timeout)
+        dropped = report_dropped(trajectories, f"update {update + 1}")
+        trajectories = [t for t in trajectories if not t.get("dropped")]  # a shorter group; GRPO takes any size
+        kill_point("rollout", update + 1)
         times["rollout"] = time.time() - t0
 
         # ---- analyze: the same weights write one hindsight skill per trajectory (SEED only)
@@ -274,6 +417,7 @@ def main(cfg):
         if cfg.algo == "seed":
             skill_list, _ = seed.analyze(policy, trajectories, cfg.analysis_prompt_tokens,
                                          cfg.analysis_max_new_tokens, cfg.analysis_temperature)
+        kill_point("analyze", update + 1)
         times["analyze"] = time.time() - t1
 
         # ---- re-score: old / teacher / reference log-probs of the same sampled tokens
@@ -293,17 +437,23 @@ def main(cfg):
                                               old_logp, teacher_logp if cfg.algo == "seed" else None, ref_logp,
                                               has_teacher, loss_kwargs, cfg.temperature, cfg.layout,
                                               cfg.max_batch_tokens, cfg.grad_clip)
+        kill_point("update", update + 1)
         times["update"] = time.time() - t3
 
         # ---- log
-        record = {"update": update + 1, "success": sum(t["won"] for t in trajectories) / len(trajectories),
-                  "reward": sum(t["reward"] for t in trajectories) / len(trajectories),
-                  "steps": sum(len(t["steps"]) for t in trajectories) / len(trajectories),
-                  "rows": len(rows["prompts"]), "skipped": skipped,
-                  "invalid_share": sum(not s["valid"] for t in trajectories for s in t["steps"]) / len(rows["prompts"]),
+        n = max(1, len(trajectories))  # every trajectory dropped: zeros, and the update says SKIPPED
+        record = {"update": update + 1, "success": sum(t["won"] for t in trajectories) / n,
+                  "reward": sum(t["reward"] for t in trajectories) / n,
+                  "steps": sum(len(t["steps"]) for t in trajectories) / n,
+                  "rows": len(rows["prompts"]), "skipped": skipped, "dropped": dropped,
+                  "invalid_steps": sum(not s["valid"] for t in trajectories for s in t["steps"]),
+                  "invalid_share": sum(not s["valid"] for t in trajectories for s in t["steps"]) / max(1, len(rows["prompts"])),
+                  "truncated_rows": sum(s.get("truncated", False) for t in trajectories for s in t["steps"]),
+                  "parse_failures": sum(s is None for s in skill_list) if skill_list is not None else None,
                   "parse_fail": (sum(s is None for s in skill_list) / len(skill_list)) if skill_list else None,
                   "time": time.time() - t0, **{f"time_{k}": v for k, v in times.items()}, **metrics}
         seed.save_metrics_line(metrics_path, record)
+        kill_point("log", update + 1)
         parse = "-" if record["parse_fail"] is None else f"{record['parse_fail']:.2f}"
         print(f"update {update + 1}/{cfg.updates} | success {record['success']:.2f} | reward {record['reward']:.2f} "
               f"| delta_abs {metrics.get('delta_abs_mean', 0):.4f} | parse_fail {parse} | kl {metrics.get('kl', 0):.4f} "
@@ -328,7 +478,7 @@ if __name__ == "__main__":
         main(config)
     except KeyboardInterrupt:
         sys.exit("interrupted: the last checkpoint in --out-dir is intact; continue with --resume")
-    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as error:
+    except (ValueError, OSError, RuntimeError, ImportError) as error:
         if os.environ.get("SEED_DEBUG"):
             raise
         sys.exit(f"error: {error}\n(set SEED_DEBUG=1 for the traceback)")
