@@ -2073,3 +2073,134 @@ def test_delta_picture_shows_the_trajectory_tokens(tmp_path, monkeypatch):
     path = experiment.picture(str(out))
     page = open(path).read()
     assert SKILL in page and page.count("<span") >= 3, page[:500]
+
+
+# ==== reliability ====
+# Nothing lost on a crash, no crash on bad input: kill-and-resume of a real process, hostile model output,
+# numerics, failing environments, bad configs and data.
+
+KILL_FLAGS = ["--stage", "rl", "--updates", 3, "--tasks-per-update", 2, "--group-size", 2, "--max-steps", 2,
+              "--max-new-tokens", 6, "--eval-tasks", 1, "--eval-every", 100, "--save-every", 1,
+              "--keep-checkpoints", 3, "--analysis-max-new-tokens", 8, "--lr", 1e-3, "--entropy-coef", 0.01]
+
+
+def train_process(tmp_path, args, kill_at=None, kill_on_line=None):
+    """`python train.py ARGS` as a real process. kill_at: SEED_KILL_AT (it SIGKILLs itself there); kill_on_line:
+    the test SIGKILLs it as soon as a stdout line starts with that text. Returns (returncode, output)."""
+    env = {**SUBPROCESS_ENV, "PYTHONUNBUFFERED": "1"}
+    env.pop("SEED_KILL_AT", None)
+    if kill_at:
+        env["SEED_KILL_AT"] = kill_at
+    process = subprocess.Popen([sys.executable, os.path.join(REPO, "train.py"), *map(str, args)], cwd=tmp_path,
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        if kill_on_line and line.startswith(kill_on_line):
+            process.kill()  # SIGKILL
+    return process.wait(timeout=300), "".join(output)
+
+
+class _SendWrites:
+    """sys.stdout / sys.stderr of a forked training process: every write goes to the parent over a pipe."""
+
+    def __init__(self, connection):
+        self.connection = connection
+
+    def write(self, text):
+        self.connection.send(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+
+def _train_child(argv, kill_at, connection):
+    """Body of a forked training process: train.py's __main__ (main, errors printed as 'error: ...')."""
+    os.environ.pop("SEED_KILL_AT", None)
+    if kill_at:
+        os.environ["SEED_KILL_AT"] = kill_at
+    sys.stdout = sys.stderr = _SendWrites(connection)
+    torch.set_num_threads(1)
+    from tqdm.auto import tqdm
+    tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock, which a SIGKILL would leak
+    try:
+        train.main(train.get_config(argv))
+    except (ValueError, OSError, RuntimeError, ImportError) as error:
+        print(f"error: {error}")
+        sys.exit(1)
+
+
+def forked_train(args, kill_at=None):
+    """train.py in a real child process forked from a server that imported torch and transformers once (a new
+    `python train.py` pays ~3 s of imports; this, none). Returns (exit code, -9 when SIGKILLed, output)."""
+    import multiprocessing
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["test_seed", "transformers.models.qwen2.modeling_qwen2"])
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_train_child, args=([str(a) for a in args], kill_at, send))
+    process.start()
+    send.close()
+    output = []
+    while True:
+        try:
+            output.append(receive.recv())
+        except EOFError:
+            break
+    process.join(timeout=300)
+    return process.exitcode, "".join(output)
+
+
+def checkpoint_weights(folder):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tiny, tmp_path, capsys):
+    """One run killed with SIGKILL at 7 points in turn, each kill followed by --resume: in the rollout, the
+    analysis, right after the optimizer step, after the metrics line, mid-checkpoint (weights written, no
+    trainer.pt), between the checkpoint folder's rename and the `latest` pointer, and once by the test itself
+    (an external kill as update 3 is logged). Every line each process wrote and every checkpoint it left equal
+    the uninterrupted run's; the end state (weights, optimizer, RNG, logs) equals it exactly."""
+    flags = KILL_FLAGS + ["--model", tiny[1]]
+    run_train(*flags, "--out-dir", tmp_path / "straight")
+    capsys.readouterr()
+    straight = {m["update"]: numbers(m) for m in read_lines(tmp_path / "straight" / "metrics.jsonl")}
+    straight_dir = tmp_path / "straight" / "checkpoints"
+    out = tmp_path / "killed"
+    chain = [("rollout:1", None), ("analyze:2", None), ("save:2", None), ("save-pointer:2", None),
+             ("update:3", None), ("log:3", None), (None, "update 3/3 |"), (None, None)]
+    matched, report = 0, []
+    for number, (kill_at, kill_on_line) in enumerate(chain):
+        args = flags + ["--out-dir", out] + (["--resume"] if number else [])
+        if kill_on_line:  # the one kill from outside, of `python train.py` itself
+            code, output = train_process(tmp_path, args, kill_on_line=kill_on_line)
+        else:
+            code, output = forked_train(args, kill_at)
+        last = number == len(chain) - 1
+        assert (code == 0) if last else (code in (-9, 0)), f"link {number} ({kill_at or kill_on_line}): " + output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+        lines = read_lines(out / "metrics.jsonl") if (out / "metrics.jsonl").exists() else []
+        wrong = [m["update"] for m in lines if numbers(m) != straight[m["update"]]]
+        latest = train.latest_checkpoint(str(out))
+        weights_equal = latest is None or all(
+            torch.equal(a, b) for a, b in zip(checkpoint_weights(latest).values(),
+                                              checkpoint_weights(straight_dir / os.path.basename(latest)).values()))
+        report.append(f"{kill_at or kill_on_line or 'no kill'}: rc {code}, lines {[m['update'] for m in lines]}, "
+                      f"latest {latest and os.path.basename(latest)}")
+        assert not wrong and weights_equal, f"link {number} diverged: lines {wrong}, weights equal {weights_equal}"
+        matched += number > 0
+    print(f"\nkill and resume: {len(chain) - 1} kills, {matched} of {len(chain) - 1} resumed runs matched the "
+          "uninterrupted one\n  " + "\n  ".join(report))
+    assert [m["update"] for m in read_lines(out / "metrics.jsonl")] == [1, 2, 3]
+    assert read_lines(out / "eval.jsonl") == read_lines(tmp_path / "straight" / "eval.jsonl")
+    final = {name: torch.load(os.path.join(d, "update_000003", "trainer.pt"), weights_only=True)
+             for name, d in (("straight", straight_dir), ("killed", out / "checkpoints"))}
+    assert torch.equal(final["straight"]["torch_rng"], final["killed"]["torch_rng"])
+    assert final["straight"]["python_rng"] == final["killed"]["python_rng"]
+    for a, b in zip(final["straight"]["optimizer"]["state"].values(), final["killed"]["optimizer"]["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a), "optimizer state differs"
+    assert not [d for d in os.listdir(out / "checkpoints") if d.endswith(".tmp")]
