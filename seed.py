@@ -46,7 +46,6 @@ INSTRUCTION = ("Now it's your turn to take an action.\n"
                "MUST be enclosed within <think> </think> tags.\n"
                "Once you've finished your reasoning, you should choose an admissible action for current step "
                "and present it within <action> </action> tags.")
-ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 
 
 def render_prompt(task, history, observation, admissible, history_window=5, env_name="household"):
@@ -67,9 +66,11 @@ def render_prompt(task, history, observation, admissible, history_window=5, env_
 
 
 def parse_action(response):
-    """The text inside the first <action>...</action>, stripped; None when there is no such tag."""
-    match = ACTION_RE.search(response)
-    return match.group(1).strip() if match else None
+    """The text inside the first <action>...</action>, stripped; None when there is no such tag. Two str.find
+    calls, not the regex <action>(.*?)</action>, which is quadratic on a response of many <action> without a close."""
+    start = response.find("<action>")
+    end = response.find("</action>", start + len("<action>")) if start >= 0 else -1
+    return response[start + len("<action>"):end].strip() if end >= 0 else None
 
 
 def encode_chat(tokenizer, user_text):

@@ -53,7 +53,10 @@ def analyzer_prompt(trajectory, max_tokens=None, count_tokens=None):
     rows = []
     for number, (step, ret) in enumerate(zip(steps, discounted_returns([s.get("reward", 0.0) for s in steps])), 1):
         action = _one_line(step.get("action"))
-        thought = re.sub(r"<action>.*?</action>", " ", step.get("response") or "", count=1, flags=re.S)
+        response = step.get("response") or ""
+        start = response.find("<action>")  # the first <action>...</action> goes (str.find: a regex is quadratic here)
+        end = response.find("</action>", start + len("<action>")) if start >= 0 else -1
+        thought = response[:start] + " " + response[end + len("</action>"):] if end >= 0 else response
         thought = _one_line(re.sub(r"</?think>", " ", thought))  # the reasoning; a bare action tag leaves none
         rows.append((number, ret, _one_line(step.get("observation")), "" if thought == action else thought,
                      (action or "(none)") + ("" if step.get("valid", True) or not action else " (invalid)")))
