@@ -214,8 +214,14 @@ class ProcessAlfworldEnv:
 
     def close(self):
         if self._process.is_alive():
-            self._connection.send(("close", None))
-            self._process.join()
+            try:
+                self._connection.send(("close", None))
+            except OSError:  # the worker died: nothing to tell it
+                pass
+            self._process.join(timeout=5)
+            if self._process.is_alive():  # hung (the rollout gave up on it): end it
+                self._process.kill()
+                self._process.join()
 
 
 def _parallel(calls):

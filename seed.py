@@ -23,6 +23,7 @@ train.py.
 """
 import inspect
 import json
+import math
 import os
 import re
 import signal
@@ -578,7 +579,8 @@ def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_cl
         micro_loss = -(logp * weights[rows, :logp.shape[1]].to(logp.device)).sum()
         micro_loss.backward()
         value += float(-(logp.detach() * (answer[rows, :logp.shape[1]] / answer.sum()).to(logp.device)).sum())
-    if torch.isfinite(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)):  # NaN/inf: skip the step
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if math.isfinite(value) and torch.isfinite(grad_norm):  # a NaN/inf loss or gradient: skip the step
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return value

@@ -478,8 +478,12 @@ def write_jsonl(path, records):
 def read_jsonl(path):
     """Read {"prompt", "completion"} records; blank lines are skipped, a bad line raises naming file:line."""
     records = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with open(path, "rb") as handle:  # bytes: a line that is not UTF-8 is reported with its number too
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{path}:{number}: not UTF-8 (byte {error.start + 1} of the line)") from None
             if line.strip():
                 try:
                     record = json.loads(line)

@@ -10,6 +10,7 @@ no GPU. Equivalence tests report their max difference in the assert message. The
 """
 import array
 import copy
+import itertools
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import importlib.util
 import json
@@ -2277,13 +2278,14 @@ class HostileSampler:
     """Stand-in for the policy's sampler (seed.sample): returns the next hostile texts as token ids, cut the way
     sampling cuts them (after the first end-of-turn token, at max_new_tokens, ids inside the vocabulary)."""
 
-    def __init__(self, policy, texts):
-        self.policy, self.texts, self.sent = policy, iter(texts), []
+    def __init__(self, policy, texts, analyses=None):
+        self.policy, self.texts, self.sent = policy, itertools.cycle(texts), []
+        self.analyses = itertools.cycle(analyses) if analyses else self.texts
 
-    def __call__(self, policy, prompts, max_new_tokens, *args, **kwargs):
+    def __call__(self, policy, prompts, max_new_tokens, *args, desc=None, **kwargs):
         responses = []
         for _ in prompts:
-            item = next(self.texts)
+            item = next(self.analyses if desc == "analyze" else self.texts)
             ids = item if isinstance(item, list) else self.policy.tokenizer(item, add_special_tokens=False)["input_ids"]
             vocabulary = len(self.policy.tokenizer)
             ids = [i for i in ids if i < vocabulary] + self.policy.stop_ids[:1]
@@ -2344,3 +2346,211 @@ def test_fuzz_rollout_and_analysis_with_thousands_of_hostile_strings(tiny, monke
           f"hostile analyses, {counts['no_skill']} gave no skill, {counts['skills']} a clean one-line skill")
     assert counts["responses"] >= 2000 and counts["analyses"] >= 1200
     assert 0 < counts["invalid"] < counts["responses"] and 0 < counts["skills"] < counts["analyses"], counts
+
+
+def test_hostile_policy_through_train_keeps_training_and_logs_counts(tiny, tmp_path, monkeypatch, capsys):
+    """train.main for 2 SEED updates with a policy that writes only hostile responses and analyses (prompts cut
+    to 200 tokens): no update is skipped, every metric is finite, invalid steps, parse failures and truncated
+    prompts are counted in metrics.jsonl, and the weights stay finite."""
+    policy, folder = tiny
+    rng = random.Random(1)
+    monkeypatch.setattr(seed, "sample", HostileSampler(policy, hostile_responses(rng, 500), hostile_analyses(rng, 200)))
+    run_train(*TRAIN_FLAGS, "--model", folder, "--stage", "rl", "--max-prompt-tokens", 200, "--entropy-coef", 0.01,
+              "--max-new-tokens", 40, "--analysis-max-new-tokens", 200, "--out-dir", tmp_path / "out")
+    metrics = read_lines(tmp_path / "out" / "metrics.jsonl")
+    assert [m["update"] for m in metrics] == [1, 2] and "update 2/2 |" in capsys.readouterr().out
+    for m in metrics:
+        assert m["skipped"] is None and all(math.isfinite(v) for v in numbers(m).values()), m
+        assert m["invalid_steps"] > 0 and m["parse_failures"] > 0 and m["truncated_rows"] > 0, m
+    model, _ = final_weights(str(tmp_path / "out"))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    print(f"\nhostile policy through train.py: " + "; ".join(
+        f"update {m['update']}: {m['invalid_steps']}/{m['rows']} invalid steps, {m['parse_failures']} parse failures, "
+        f"{m['truncated_rows']} truncated prompts" for m in metrics))
+
+
+# ----------------------------------------------------------------------------- numerics
+
+def nan_logits(module, inputs, output):
+    """Forward hook on lm_head: every logit NaN, one +inf (a model gone numerically wrong)."""
+    output = output.clone()
+    output[..., :] = float("nan")
+    output[..., 0] = float("inf")
+    return output
+
+
+def test_nan_logits_neither_crash_sampling_nor_reach_the_weights(tiny, trajectories):
+    """NaN/inf logits: sampling goes on (finite log-probs, ids in the vocabulary), the update is skipped with its
+    cause and leaves weights and optimizer untouched; a supervised step (warm-up, stage 1) skips its step too."""
+    policy = fresh(tiny[0])
+    handle = policy.model.lm_head.register_forward_hook(nan_logits)
+    prompts = [s["prompt_ids"] for t in trajectories for s in t["steps"]][:4]
+    responses, logps = seed.sample(policy, prompts, 5, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert all(0 <= i < len(policy.tokenizer) for r in responses for i in r) and all(
+        math.isfinite(x) for lp in logps for x in lp), (responses, logps)
+    before = snapshot(policy.model)
+    rows = seed.step_rows(trajectories)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[torch.tensor(rows["trajectory"]) % 4]  # (B,)
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-2)
+    metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages, None)
+    assert skipped and "non-finite" in skipped and not optimizer.state, (skipped, metrics)
+    seed.supervised_step(policy, optimizer, [("a prompt", "<action>look</action>")])
+    handle.remove()
+    assert weight_change(before, policy.model) == 0.0 and not optimizer.state
+    print(f"\nNaN logits: sampling ran, update skipped: {skipped}")
+
+
+@pytest.mark.parametrize("which, value", [("old", float("nan")), ("teacher", float("-inf")), ("ref", float("inf")),
+                                          ("advantages", float("nan"))])
+def test_non_finite_inputs_skip_the_update_naming_the_input(tiny, trajectories, which, value):
+    policy = fresh(tiny[0])
+    rows = seed.step_rows(trajectories, [SKILL] * len(trajectories))
+    old, teacher, _, has_teacher = seed.rescore(policy, rows)
+    inputs = {"old": old, "teacher": teacher, "ref": old.clone(),
+              "advantages": seed.trajectory_advantages(trajectories)[rows["trajectory"]]}
+    inputs[which] = inputs[which].clone()
+    inputs[which][1, ...] = value
+    before = snapshot(policy.model)
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-2)
+    metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], inputs["advantages"],
+                                          inputs["old"], inputs["teacher"], inputs["ref"], has_teacher,
+                                          {"distill_coef": 0.1, "kl_coef": 0.1})
+    name = {"old": "old log-probs", "teacher": "teacher log-probs", "ref": "reference log-probs",
+            "advantages": "advantages"}[which]
+    assert skipped == f"non-finite {name} in 1 of {len(rows['prompts'])} rows", skipped
+    assert weight_change(before, policy.model) == 0.0 and metrics == {}
+
+
+def test_equal_rewards_and_failed_analyses_give_finite_plain_updates(tiny, trajectories):
+    """A group whose rewards are all equal has advantage exactly 0 (no NaN from a zero std) and moves nothing;
+    a batch where every analysis failed updates exactly as plain GRPO."""
+    policy = fresh(tiny[0])
+    tied = [dict(t, reward=1.0) for t in trajectories]
+    advantages = seed.trajectory_advantages(tied)
+    assert torch.equal(advantages, torch.zeros(len(tied))), advantages
+    before = snapshot(policy.model)
+    metrics, skipped, _, _ = update(policy, tied)
+    assert skipped is None and finite(metrics) and metrics["grad_norm"] == 0.0 and weight_change(before, policy.model) == 0
+    varied = [dict(t, reward=float(i)) for i, t in enumerate(trajectories)]
+    failed, plain = fresh(tiny[0]), fresh(tiny[0])
+    torch.manual_seed(0)
+    metrics_failed, skipped, _, has_teacher = update(failed, varied, [None] * len(varied), distill_coef=1.0)
+    torch.manual_seed(0)
+    metrics_plain, _, _, _ = update(plain, varied)
+    diff = max(max_diff(a, b) for a, b in zip(failed.model.parameters(), plain.model.parameters()))
+    assert skipped is None and not has_teacher.any() and metrics_failed["delta_abs_mean"] == 0.0
+    assert diff == 0.0, f"every analysis failed, yet the update differs from GRPO by {diff}"
+
+
+def test_prompts_past_the_budget_are_cut_predictably_with_the_mask_right(tiny):
+    """Prompts over --max-prompt-tokens keep their last tokens; the sampled log-probs equal a re-scoring on the
+    cut prompts (the same context both times); the mask counts exactly the sampled tokens; a cut row gets no
+    teacher context; and a budget past the model's context window is one clear error."""
+    policy, _ = tiny
+    train_envs = [envs.make_env("household", "train", i, max_steps=4) for i in range(4)]
+    trajectories = seed.rollout(policy, train_envs, [3, 4], 2, 4, max_new_tokens=10, history_window=3,
+                                max_prompt_tokens=120, generator=torch.Generator().manual_seed(0))
+    steps = [s for t in trajectories for s in t["steps"]]
+    assert all(s["truncated"] for s in steps)  # a household prompt is ~300 tokens
+    for s in steps:
+        assert s["prompt_ids"] == seed.encode_chat(policy.tokenizer, s["prompt"])[-120:]
+    rows = seed.step_rows(trajectories, [SKILL] * len(trajectories))
+    assert rows["teacher_prompts"] == [None] * len(steps)
+    mask = seed.response_mask(rows["responses"])
+    assert mask.sum() == sum(len(s["response_ids"]) for s in steps)
+    rescored = seed.response_logprobs(policy.model, rows["prompts"], rows["responses"], policy.pad_id)
+    diff = max(max_diff(rescored[i, :len(s["sampled_logp"])], torch.tensor(s["sampled_logp"])) for i, s in enumerate(steps))
+    assert diff < 1e-4 and (rescored * (1 - mask)).abs().max() == 0, diff
+    cfg = train.get_config(["--max-prompt-tokens", "4090", "--max-new-tokens", "48"])
+    with pytest.raises(ValueError, match="--max-prompt-tokens 4090 \\+ --max-new-tokens 48 exceed the model's context "
+                                         "window of 4096"):
+        train.check_context_window(cfg, policy)
+
+
+# ----------------------------------------------------------------------------- environments that fail
+
+class FailingEnv:
+    """A household env that raises or hangs on its n-th step (or reset)."""
+
+    def __init__(self, fail_on="step", at=2, mode="raise", seed_value=0):
+        self.env, self.fail_on, self.at, self.mode, self.calls, self.closed = \
+            envs.make_env("household", "train", seed_value, max_steps=5), fail_on, at, mode, 0, False
+
+    def _maybe_fail(self, method):
+        if method == self.fail_on:
+            self.calls += 1
+            if self.calls == self.at:
+                if self.mode == "hang":
+                    while True:  # stuck in Python code: only a signal gets it out
+                        pass
+                raise ConnectionError("the env's engine went away")
+
+    def reset(self, seed=None):
+        self._maybe_fail("reset")
+        return self.env.reset(seed)
+
+    def step(self, action):
+        self._maybe_fail("step")
+        return self.env.step(action)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("fail_on, mode", [("step", "raise"), ("step", "hang"), ("reset", "raise"), ("reset", "hang")])
+def test_failing_env_is_rebuilt_and_its_trajectory_dropped(tiny, fail_on, mode):
+    policy, _ = tiny
+    built = []
+
+    def factory(index):
+        built.append(index)
+        return envs.make_env("household", "train", index, max_steps=5)
+
+    train_envs = [envs.make_env("household", "train", i, max_steps=5) for i in range(4)]
+    broken = train_envs[2] = FailingEnv(fail_on, at=1 if fail_on == "reset" else 2, mode=mode)
+    trajectories = seed.rollout(policy, train_envs, [7, 8], 2, 5, max_new_tokens=6, env_factory=factory,
+                                env_timeout=0.3, generator=torch.Generator().manual_seed(0))
+    dropped = [t.get("dropped") for t in trajectories]
+    assert dropped[:2] == [None, None] and dropped[3] is None and dropped[2], dropped
+    assert ("no answer within 0.3 s" if mode == "hang" else "ConnectionError") in dropped[2], dropped[2]
+    assert broken.closed and built == [2] and train_envs[2] is not broken
+    assert all(len(t["steps"]) >= 1 for i, t in enumerate(trajectories) if i != 2)
+    again = seed.rollout(policy, train_envs, [7, 8], 2, 5, max_new_tokens=6, env_factory=factory, env_timeout=0.3,
+                         generator=torch.Generator().manual_seed(0))
+    assert not any(t.get("dropped") for t in again)  # the rebuilt env plays on
+    print(f"\nenv that {'hangs' if mode == 'hang' else 'raises'} on {fail_on}: dropped with reason {dropped[2]!r}")
+
+
+def test_env_failures_in_train_are_logged_and_the_run_goes_on(tiny, tmp_path, monkeypatch, capsys):
+    """Every train env fails on its first reset (the whole first update is dropped: skipped with its cause),
+    then one raises mid-episode in update 2 (its trajectory is dropped from its group): the run finishes both
+    updates and metrics.jsonl says what happened."""
+    make, resets = envs.make_env, {"n": 0}
+
+    class Flaky:
+        def __init__(self, env):
+            self.env = env
+
+        def reset(self, seed=None):
+            resets["n"] += 1
+            if resets["n"] <= 4:
+                raise ConnectionError(f"engine down (reset {resets['n']})")
+            return self.env.reset(seed)
+
+        def step(self, action):
+            if resets["n"] == 8 and not resets.get("step failed"):  # update 2's first step
+                resets["step failed"] = True
+                raise OSError("pipe broke")
+            return self.env.step(action)
+
+    monkeypatch.setattr(envs, "make_env", lambda name, split, *a, **k: Flaky(make(name, split, *a, **k))
+                        if split == "train" else make(name, split, *a, **k))
+    run_train(*TRAIN_FLAGS, "--model", tiny[1], "--stage", "rl", "--out-dir", tmp_path / "out")
+    output = capsys.readouterr().out
+    first, second = read_lines(tmp_path / "out" / "metrics.jsonl")
+    assert first["dropped"] == 4 and first["skipped"] == "no rows to train on (every trajectory was dropped)", first
+    assert "update 1: dropped a trajectory, env rebuilt: env.reset failed: ConnectionError: engine down" in output
+    assert "update 2: dropped a trajectory, env rebuilt: env.step failed: OSError: pipe broke" in output
+    assert second["skipped"] is None and second["dropped"] == 1 and second["rows"] > 0, second
+    print(f"\nenv failures in train.py: update 1 {first['dropped']} dropped, skipped: {first['skipped']}; "
+          f"update 2 {second['dropped']} dropped, {second['rows']} rows trained")

@@ -211,6 +211,8 @@ def stage1_sft(cfg, policy, options):
     if cfg.sft_data:
         examples = [(r["prompt"], r["completion"]) for r in skills.read_jsonl(cfg.sft_data)]
         source = cfg.sft_data
+        if not examples:
+            raise ValueError(f"--sft-data {cfg.sft_data}: no records (expected one JSON object per line)")
     else:
         env = demonstration_env(cfg, options, cfg.seed + 1)
         _, _, analyzed = demonstrations(env, max(32, cfg.sft_steps), cfg.history_window, cfg.seed + 1, cfg.env,
