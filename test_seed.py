@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -2554,3 +2555,124 @@ def test_env_failures_in_train_are_logged_and_the_run_goes_on(tiny, tmp_path, mo
     assert second["skipped"] is None and second["dropped"] == 1 and second["rows"] > 0, second
     print(f"\nenv failures in train.py: update 1 {first['dropped']} dropped, skipped: {first['skipped']}; "
           f"update 2 {second['dropped']} dropped, {second['rows']} rows trained")
+
+
+# ----------------------------------------------------------------------------- bad configs, checkpoints and data
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "0"], "--temperature must be above 0"), (["--temperature", "nan"], "--temperature must be a finite"),
+    (["--lr", "-1"], "--lr must be above 0"), (["--lr", "inf"], "--lr must be a finite"),
+    (["--sft-lr", "0"], "--sft-lr"), (["--grad-clip", "0"], "--grad-clip"), (["--gate-beta", "0"], "--gate-beta"),
+    (["--clip-low", "1.5"], "--clip-low must be below 1"), (["--clip-high", "-0.1"], "--clip-high"),
+    (["--dual-clip", "0.5"], "--dual-clip must be above 1"), (["--kl-coef", "-0.1"], "--kl-coef"),
+    (["--entropy-coef", "-1"], "--entropy-coef"), (["--distill-coef", "-1"], "--distill-coef"),
+    (["--invalid-penalty", "-0.1"], "--invalid-penalty"), (["--weight-decay", "-1"], "--weight-decay"),
+    (["--analysis-temperature", "-1"], "--analysis-temperature"), (["--eval-temperature", "-1"], "--eval-temperature"),
+    (["--history-window", "-1"], "--history-window"), (["--sft-steps", "-1"], "--sft-steps"),
+    (["--sft-batch-size", "0"], "--sft-batch-size"), (["--warmup-steps", "-5"], "--warmup-steps"),
+    (["--analysis-prompt-tokens", "0"], "--analysis-prompt-tokens"), (["--env-timeout", "-1"], "--env-timeout"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"), (["--eval-tasks", "0"], "--eval-tasks"),
+    (["--dtype", "int8"], "--dtype must be float32, bfloat16 or float16"), (["--device", "gpu"], "--device must be"),
+    (["--stage", "sft", "--algo", "grpo"], "--algo grpo never uses"), (["--stage", "sft", "--resume"], "--resume"),
+    (["--sft-data", "x.jsonl"], "tiny model's warm-up makes its own data"),
+    (["--model", "m", "--stage", "rl", "--sft-data", "x.jsonl"], "--sft-data is unused with --stage rl"),
+    (["--model", "m", "--algo", "grpo", "--sft-data", "x.jsonl"], "--sft-data is unused"),
+    (["--model", "m", "--sft-data", "no/such.jsonl"], "--sft-data no/such.jsonl: no such file"),
+    (["--data-dir", "games"], "--data-dir is for --env alfworld"),
+    (["--updates", "x"], "--updates: invalid int value"), (["--no-such-flag"], "unrecognized arguments"),
+] + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device cuda: this torch sees no CUDA")]))
+def test_invalid_flags_are_one_clear_error(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.get_config(flags)
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert exit_info.value.code == 2 and "Traceback" not in err and len(errors) == 1 and message in errors[0], err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt": "a", "completion": "b"}\n\n{"prompt": "c", "completion": "d"}\n{"prompt": "e",\n', r"data.jsonl:4: malformed JSON"),
+    (b'{"prompt": "a", "completion": "b"}\n[1, 2]\n', r"data.jsonl:2: expected a dict with string 'prompt' and 'completion'"),
+    (b'{"prompt": "a", "completion": 7}\n', r"data.jsonl:1: expected a dict"),
+    (b'{"prompt": "a", "completion": "b"}\n{"prompt": "\xff\xfe", "completion": "b"}\n', r"data.jsonl:2: not UTF-8"),
+    (b"\n  \n", r"data.jsonl: no records"),
+], ids=["malformed-json", "list", "wrong-type", "not-utf8", "empty"])
+def test_malformed_stage1_jsonl_names_the_line(tiny, tmp_path, content, message):
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        run_train("--model", tiny[1], "--stage", "sft", "--sft-data", data, "--sft-steps", 1, "--out-dir", tmp_path / "out")
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tiny, tmp_path_factory):
+    """An out-dir with the checkpoint of a finished 1-update run (--save-every 1), and its flags."""
+    out = tmp_path_factory.mktemp("checkpointed") / "out"
+    flags = TRAIN_FLAGS + ["--model", tiny[1], "--stage", "rl", "--updates", 1]
+    run_train(*flags, "--out-dir", out)
+    return out, flags
+
+
+def corrupt_pointer_missing(out):
+    (out / "checkpoints" / "latest").write_text("update_000009")
+
+
+def corrupt_pointer_empty(out):
+    (out / "checkpoints" / "latest").write_text("")
+
+
+def corrupt_trainer_garbage(out):
+    (out / "checkpoints" / "update_000001" / "trainer.pt").write_bytes(b"\x80\x04garbage" * 10)
+
+
+def corrupt_trainer_truncated(out):
+    path = out / "checkpoints" / "update_000001" / "trainer.pt"
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def corrupt_trainer_keys(out):
+    torch.save({"update": 1}, out / "checkpoints" / "update_000001" / "trainer.pt")
+
+
+def corrupt_trainer_foreign_object(out):  # code in a pickle: weights_only=True refuses to run it
+    torch.save({"update": 1, "optimizer": types.SimpleNamespace()}, out / "checkpoints" / "update_000001" / "trainer.pt")
+
+
+def corrupt_weights(out):
+    (out / "checkpoints" / "update_000001" / "model.safetensors").write_bytes(b"not a safetensors file")
+
+
+def checkpoint_of_a_longer_run(out):
+    path = out / "checkpoints" / "update_000001" / "trainer.pt"
+    torch.save({**torch.load(path, weights_only=True), "update": 5}, path)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (corrupt_pointer_missing, r"update_000009' named by .*latest is missing or has no trainer.pt; write the name of "
+                              r"an intact folder into that file \(update_000001\)"),
+    (corrupt_pointer_empty, r"is missing or has no trainer.pt"),
+    (corrupt_trainer_garbage, r"trainer.pt is corrupt \(UnpicklingError"),
+    (corrupt_trainer_truncated, r"trainer.pt is corrupt \("),
+    (corrupt_trainer_keys, r"trainer.pt is corrupt \(no optimizer, python_rng, torch_rng\)"),
+    (corrupt_trainer_foreign_object, r"trainer.pt is corrupt \(UnpicklingError: Weights only load failed"),
+    (corrupt_weights, r"update_000001: the model does not load"),
+    (checkpoint_of_a_longer_run, r"update_000001 is at update 5, past --updates 1"),
+], ids=lambda x: getattr(x, "__name__", "message"))
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
+def test_missing_or_corrupt_checkpoint_is_one_clear_error(one_checkpoint, tmp_path, corrupt, message):
+    source, flags = one_checkpoint
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    corrupt(out)
+    with pytest.raises(ValueError, match=message):
+        run_train(*flags, "--out-dir", out, "--resume")
+
+
+def test_corrupt_checkpoint_in_a_real_process_is_one_line(one_checkpoint, tmp_path):
+    """The same through `python train.py --resume`: exit code 1, one 'error:' line, no traceback."""
+    source, flags = one_checkpoint
+    out = tmp_path / "out"
+    shutil.copytree(source, out)
+    corrupt_trainer_truncated(out)
+    code, output = train_process(tmp_path, flags + ["--out-dir", out, "--resume"])
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert code == 1 and "Traceback" not in output and len(errors) == 1 and "trainer.pt is corrupt" in errors[0], output
