@@ -424,13 +424,15 @@ def trajectory_advantages(trajectories, norm_std=True):
 
 def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, teacher_logp=None, ref_logp=None,
                   has_teacher=None, loss_kwargs=None, temperature=1.0, layout="padded", max_batch_tokens=16384,
-                  grad_clip=1.0, desc="update"):
+                  grad_clip=1.0, desc="update", distributed=False):
     """One optimizer step over all rows with gradient accumulation.
     advantages (B,) per row; old/teacher/ref log-probs (B, R) response-aligned (old None: this forward
     pass's own detached log-probs, exact for one PPO epoch on unchanged weights); has_teacher (B,) bool marks
     the rows whose trajectory got a skill (the others get no distillation term). Micro-batch losses are weighted so the
     sum equals the full-batch loss: token-mean by the micro-batch's share of valid tokens, seq-mean-* by
-    its share of rows. Returns (metrics, skipped_reason or None)."""
+    its share of rows. distributed (torchrun): the rows are this rank's share; the weights use the token (row)
+    count of all ranks and the gradients and metrics are summed over ranks (all_reduce_update), so every rank
+    takes the single-process step of the whole batch. Returns (metrics, skipped_reason or None)."""
     loss_kwargs = dict(loss_kwargs or {})
     model = policy.model
     model.train()
@@ -440,6 +442,9 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
     totals, skipped = {}, None
     optimizer.zero_grad(set_to_none=True)
     device = policy.device
+    if distributed:  # normalise by the whole batch: the tokens (rows) of every rank
+        total = total.to(device)
+        torch.distributed.all_reduce(total)
     for rows in tqdm(micro_batches(prompts, responses, max_batch_tokens), desc=desc, leave=False):
         width = max(1, max(len(responses[i]) for i in rows))
         pick = lambda x: None if x is None else x[rows, :width].to(device)
@@ -460,6 +465,8 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
         (loss * weight).backward()
         for key, value in metrics.items():
             totals[key] = totals.get(key, 0.0) + value * float(weight)
+    if distributed:
+        skipped = all_reduce_update(model, totals, skipped, device)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) if skipped is None else None
     if skipped is None and not torch.isfinite(grad_norm):
         skipped = f"non-finite gradient norm {grad_norm.item()}"
@@ -499,6 +506,25 @@ def ppo_update(policy, optimizer, rows, advantages, teacher_logp=None, ref_logp=
         for key, value in metrics.items():
             totals[key] = totals.get(key, 0.0) + value / len(parts)
     return totals, ("; ".join(reasons) or None)
+
+
+def all_reduce_update(model, totals, skipped, device):
+    """torchrun: sum the gradients and the metric totals over ranks (each rank's are already weighted by its
+    share of the whole batch, so the sums are the whole batch's); a skip on any rank skips the step on all.
+    Returns the skip reason. An explicit all_reduce rather than DistributedDataParallel: DDP averages over
+    ranks, which weighs a token of a short share more than a token of a long one."""
+    import torch.distributed as dist
+    flag = torch.tensor([float(skipped is not None)], device=device)
+    dist.all_reduce(flag)
+    if flag.item() > 0:
+        return skipped or "skipped on another rank"
+    for parameter in model.parameters():
+        if parameter.grad is not None:  # the same parameters on every rank: all ran a backward pass
+            dist.all_reduce(parameter.grad)
+    values = torch.tensor([totals[key] for key in sorted(totals)], dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    totals.update(zip(sorted(totals), values.tolist()))
+    return None
 
 
 def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0, prompt_weight=0.0):

@@ -4,16 +4,25 @@ train.py: the SEED training script -- one flat loop, nanoGPT style.
     python train.py                                   # embedded default: tiny model, household env, CPU
     python train.py --algo grpo                       # the baseline: same loop, no analysis, lambda = 0
     python train.py --env alfworld --model Qwen/Qwen2.5-1.5B-Instruct   # real ALFWorld on a GPU
+    torchrun --standalone --nproc_per_node=4 train.py --env alfworld --model ...   # data parallel, 4 GPUs
 
 Stages (--stage): `all` (default) = warm-up of the tiny model when --model tiny, stage 1 (analyzer SFT on
 hindsight skills), stage 2 (RL); `sft` = stage 1 only; `rl` = stage 2 only. Each RL update has the phases
 eval, rollout, analyze, re-score, advantage, loss/backward, log, step, save.
+
+Data parallel (torchrun): each rank rolls out, analyzes and re-scores its share of the update's tasks (a GRPO
+group never leaves its rank), gradients and metrics are summed over ranks with every rank's loss normalised by
+the whole update's token count, so the step equals the single-process step on the same rollouts; evaluation
+is sharded over ranks; rank 0 alone builds the start model, writes logs and checkpoints. NCCL on GPUs, gloo
+on CPU.
 
 Departures from the paper: stage-1 skills come from skills.annotate (a rule-based hindsight annotator
 reading the env's ground truth) or a user's JSONL instead of a strong LLM; the tiny model needs a
 warm-up that a pretrained instruct model does not (warmup.py).
 """
 import argparse
+import contextlib
+import datetime
 import json
 import os
 import random
@@ -99,6 +108,9 @@ def get_config(argv=None):
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.group_size < 2:  # both algos: a group of one has GRPO advantage 0, so nothing would be learned
         p.error("--group-size must be at least 2: GRPO needs a group to compare rollouts")
+    world = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
+    if cfg.tasks_per_update % world:
+        p.error(f"--tasks-per-update {cfg.tasks_per_update} must divide by the {world} torchrun processes")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         p.error(f"--max-steps must be at least 1, got {cfg.max_steps}")
     if cfg.lr is None:
@@ -115,20 +127,26 @@ def get_config(argv=None):
 
 # ----------------------------------------------------------------------------- evaluation
 
-def evaluate(policy, cfg, split, envs):
+def evaluate(policy, cfg, split, envs, rank=0, world=1):
     """Greedy (by default) single rollouts on the first --eval-tasks tasks of a split; success overall
-    (micro over episodes, macro over task types) and per task type."""
-    trajectories = seed.rollout(policy, envs, list(range(cfg.eval_tasks)), 1, cfg.max_steps, cfg.max_new_tokens,
-                                cfg.eval_temperature, cfg.history_window, cfg.invalid_penalty,
+    (micro over episodes, macro over task types) and per task type. Under torchrun each rank plays every
+    world-th task (envs holds that rank's envs) and the episodes are gathered on every rank."""
+    trajectories = seed.rollout(policy, envs, list(range(rank, cfg.eval_tasks, world)), 1, cfg.max_steps,
+                                cfg.max_new_tokens, cfg.eval_temperature, cfg.history_window, cfg.invalid_penalty,
                                 cfg.max_prompt_tokens, env_name=cfg.env, desc=f"eval {split}",
                                 generator=torch.Generator(policy.device).manual_seed(cfg.seed))
+    episodes = [(t["task_type"], float(t["won"]), len(t["steps"])) for t in trajectories]
+    if world > 1:
+        shares = [None] * world
+        torch.distributed.all_gather_object(shares, episodes)
+        episodes = [episode for share in shares for episode in share]
     per_type = {}
-    for t in trajectories:
-        per_type.setdefault(t["task_type"], []).append(float(t["won"]))
+    for task_type, won, _ in episodes:
+        per_type.setdefault(task_type, []).append(won)
     by_type = {k: sum(v) / len(v) for k, v in sorted(per_type.items())}
-    return {"split": split, "micro": sum(t["won"] for t in trajectories) / len(trajectories),
+    return {"split": split, "micro": sum(won for _, won, _ in episodes) / len(episodes),
             "macro": sum(by_type.values()) / len(by_type), "per_type": by_type,
-            "steps": sum(len(t["steps"]) for t in trajectories) / len(trajectories)}
+            "steps": sum(steps for _, _, steps in episodes) / len(episodes)}
 
 
 def print_eval_table(rows):
@@ -180,6 +198,46 @@ def latest_checkpoint(out_dir):
     return path if os.path.exists(os.path.join(path, "trainer.pt")) else None
 
 
+# ----------------------------------------------------------------------------- data parallel (torchrun)
+
+def init_ddp(cfg):
+    """(rank, world size) of this process under torchrun, after joining the process group and picking the
+    device (cuda:LOCAL_RANK, NCCL, else gloo); (0, 1) when started as a plain `python train.py`."""
+    if "RANK" not in os.environ:
+        return 0, 1
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cfg.device is None or cfg.device == "cuda":
+        cfg.device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    if cfg.device.startswith("cuda"):
+        torch.cuda.set_device(cfg.device)
+    # the others wait at a barrier while rank 0 builds the start model (warm-up, stage 1): allow hours
+    torch.distributed.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo",
+                                         timeout=datetime.timedelta(hours=3))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+@contextlib.contextmanager
+def rank_zero_first(world, rank):
+    """Rank 0 runs the block first (it writes the shared files: synthetic games, the warm-up, the stage-1
+    model); the other ranks wait, then run it and find the files ready."""
+    if world > 1 and rank > 0:
+        torch.distributed.barrier()
+    try:
+        yield
+    finally:
+        if world > 1 and rank == 0:
+            torch.distributed.barrier()
+
+
+def sum_over_ranks(counts, world):
+    """A dict of numbers summed over all ranks (itself when world is 1)."""
+    if world == 1:
+        return counts
+    values = torch.tensor(list(counts.values()), dtype=torch.float64)
+    torch.distributed.all_reduce(values)
+    return dict(zip(counts, values.tolist()))
+
+
 # ----------------------------------------------------------------------------- main
 
 def start_model(cfg, env_options):
@@ -202,38 +260,46 @@ def start_model(cfg, env_options):
 
 def main(cfg):
     import envs
+    rank, world = init_ddp(cfg)
+    master = rank == 0  # logs, checkpoints and prints come from rank 0 only
     os.makedirs(cfg.out_dir, exist_ok=True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    env_options = warmup.env_options(cfg)  # resolves ALFWorld data (synthetic games if none) and max steps
-    default_max_steps = env_options.pop("default_max_steps")  # always removed: make_env does not take it
-    cfg.max_steps = cfg.max_steps or default_max_steps
-    print("config:", json.dumps(vars(cfg), indent=1))  # printed and saved with every default resolved
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(vars(cfg), f, indent=1)
-
-    # ---- policy: resume, or warm-up (tiny) / load (HF), then stage 1
-    checkpoint = latest_checkpoint(cfg.out_dir) if cfg.resume else None
-    if cfg.resume and checkpoint is None:
+    with rank_zero_first(world, rank):
+        env_options = warmup.env_options(cfg)  # resolves ALFWorld data (synthetic games if none) and max steps
+        default_max_steps = env_options.pop("default_max_steps")  # always removed: make_env does not take it
+        cfg.max_steps = cfg.max_steps or default_max_steps
+        if master:
+            print("config:", json.dumps(vars(cfg), indent=1))  # printed and saved with every default resolved
+            with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+                json.dump(vars(cfg), f, indent=1)
+        # ---- policy: resume, or warm-up (tiny) / load (HF), then stage 1
+        checkpoint = latest_checkpoint(cfg.out_dir) if cfg.resume else None
+        # (a resumed run with a KL term needs the start model too: the KL's reference)
+        start_path = start_model(cfg, env_options) if not checkpoint or cfg.kl_coef > 0 else None
+    if cfg.resume and checkpoint is None and master:
         print(f"--resume: no checkpoint in {cfg.out_dir}/checkpoints, starting fresh")
     if checkpoint:
-        print(f"resuming from {checkpoint}")
+        if master:
+            print(f"resuming from {checkpoint}")
         policy = seed.load_policy(checkpoint, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
     else:
-        start_path = start_model(cfg, env_options)
         if cfg.stage == "sft":
-            print(f"stage 1 done: the model is in {start_path}")
+            if master:
+                print(f"stage 1 done: the model is in {start_path}")
+            if world > 1:
+                torch.distributed.destroy_process_group()
             return
         policy = seed.load_policy(start_path, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     reference = None
     if cfg.kl_coef > 0:  # frozen copy of the policy RL started from, for the k3 KL term; a resumed run too
-        # (not its checkpoint, which would reset the KL to 0): start_model finds the cached start again
-        reference = seed.load_policy(start_model(cfg, env_options), cfg.device, cfg.dtype).model.eval()
+        # (not its checkpoint, which would reset the KL to 0)
+        reference = seed.load_policy(start_path, cfg.device, cfg.dtype).model.eval()
     # seeded again here: building the warm-up (a cache miss) draws from the RNG and reading it from the cache
     # does not, and a run must not depend on which happened
     random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed + rank)  # torchrun: each rank its own stream (nanoGPT's seed offset)
     start = 0
     if checkpoint:
         state = torch.load(os.path.join(checkpoint, "trainer.pt"), weights_only=True)
@@ -244,9 +310,10 @@ def main(cfg):
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         start = state["update"]
 
-    n_envs = cfg.tasks_per_update * cfg.group_size
-    train_envs = [envs.make_env(cfg.env, "train", cfg.seed + i, **env_options) for i in range(n_envs)]
-    eval_envs = {split: [envs.make_env(cfg.env, split, i, **env_options) for i in range(cfg.eval_tasks)]
+    share = cfg.tasks_per_update // world  # tasks per rank; the GRPO group of a task stays on its rank
+    n_envs = share * cfg.group_size
+    train_envs = [envs.make_env(cfg.env, "train", cfg.seed + rank * n_envs + i, **env_options) for i in range(n_envs)]
+    eval_envs = {split: [envs.make_env(cfg.env, split, i, **env_options) for i in range(rank, cfg.eval_tasks, world)]
                  for split in ("valid_seen", "valid_unseen")}
     loss_kwargs = dict(distill_coef=cfg.distill_coef if cfg.algo == "seed" else 0.0, distill_mode=cfg.distill_mode,
                        gate_beta=cfg.gate_beta, kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef,
@@ -258,21 +325,27 @@ def main(cfg):
         # ---- eval: at the start, every --eval-every updates and at the end
         if update == start or update % cfg.eval_every == 0 or update == cfg.updates:
             for split, split_envs in eval_envs.items():
-                result = evaluate(policy, cfg, split, split_envs)
+                result = evaluate(policy, cfg, split, split_envs, rank, world)
                 result.update(when=f"update {update}", update=update)
                 eval_rows.append(result)
-                seed.save_metrics_line(eval_path, result)
-            print_eval_table(eval_rows[-2:])
+                if master:
+                    seed.save_metrics_line(eval_path, result)
+            if master:
+                print_eval_table(eval_rows[-2:])
         if update == cfg.updates:
             break
         t0 = time.time()
         times = {}
 
-        # ---- rollout: N tasks x G rollouts with the ordinary prompt, pre-update weights
+        # ---- rollout: N tasks x G rollouts with the ordinary prompt, pre-update weights (torchrun: this rank's
+        # N / world tasks, sampled from a generator of (seed, update, rank), so a resumed run samples the same)
         task_seeds = random.Random(cfg.seed * 1_000_003 + update).sample(range(10 ** 6), cfg.tasks_per_update)
-        trajectories = seed.rollout(policy, train_envs, task_seeds, cfg.group_size, cfg.max_steps, cfg.max_new_tokens,
-                                    cfg.temperature, cfg.history_window, cfg.invalid_penalty,
-                                    cfg.max_prompt_tokens, env_name=cfg.env)
+        generator = (torch.Generator(policy.device).manual_seed((cfg.seed * 1_000_003 + update) * 1009 + rank)
+                     if world > 1 else None)  # one process: the global RNG, as ever
+        trajectories = seed.rollout(policy, train_envs, task_seeds[rank * share:(rank + 1) * share], cfg.group_size,
+                                    cfg.max_steps, cfg.max_new_tokens, cfg.temperature, cfg.history_window,
+                                    cfg.invalid_penalty, cfg.max_prompt_tokens, env_name=cfg.env,
+                                    generator=generator)
         times["rollout"] = time.time() - t0
 
         # ---- analyze: the same weights write one hindsight skill per trajectory (SEED only)
@@ -297,21 +370,32 @@ def main(cfg):
 
         # ---- loss/backward + step
         t3 = time.time()
+        mini_batches = cfg.mini_batches
+        if world > 1:  # every rank takes the same number of optimizer steps, each all-reducing its gradients
+            fewest = torch.tensor(min(mini_batches, len(rows["prompts"])), device=policy.device)
+            torch.distributed.all_reduce(fewest, torch.distributed.ReduceOp.MIN)
+            mini_batches = int(fewest)
         metrics, skipped = seed.ppo_update(policy, optimizer, rows, advantages,
                                            teacher_logp if cfg.algo == "seed" else None, ref_logp, has_teacher,
-                                           cfg.mini_batches, loss_kwargs=loss_kwargs, temperature=cfg.temperature,
+                                           mini_batches, loss_kwargs=loss_kwargs, temperature=cfg.temperature,
                                            layout=cfg.layout, max_batch_tokens=cfg.max_batch_tokens,
-                                           grad_clip=cfg.grad_clip)
+                                           grad_clip=cfg.grad_clip, distributed=world > 1)
         times["update"] = time.time() - t3
 
-        # ---- log
-        record = {"update": update + 1, "success": sum(t["won"] for t in trajectories) / len(trajectories),
-                  "reward": sum(t["reward"] for t in trajectories) / len(trajectories),
-                  "steps": sum(len(t["steps"]) for t in trajectories) / len(trajectories),
-                  "rows": len(rows["prompts"]), "skipped": skipped,
-                  "invalid_share": sum(not s["valid"] for t in trajectories for s in t["steps"]) / len(rows["prompts"]),
-                  "parse_fail": (sum(s is None for s in skill_list) / len(skill_list)) if skill_list else None,
+        # ---- log (torchrun: counts summed over ranks; the loss metrics were summed in policy_update)
+        counts = sum_over_ranks({"won": sum(t["won"] for t in trajectories), "trajectories": len(trajectories),
+                                 "reward": sum(t["reward"] for t in trajectories),
+                                 "steps": sum(len(t["steps"]) for t in trajectories), "rows": len(rows["prompts"]),
+                                 "invalid": sum(not s["valid"] for t in trajectories for s in t["steps"]),
+                                 "parse_fail": sum(s is None for s in skill_list or [])}, world)
+        episodes = counts["trajectories"]
+        record = {"update": update + 1, "success": counts["won"] / episodes, "reward": counts["reward"] / episodes,
+                  "steps": counts["steps"] / episodes, "rows": int(counts["rows"]), "skipped": skipped,
+                  "invalid_share": counts["invalid"] / counts["rows"],
+                  "parse_fail": counts["parse_fail"] / episodes if skill_list is not None else None,
                   "time": time.time() - t0, **{f"time_{k}": v for k, v in times.items()}, **metrics}
+        if not master:
+            continue
         seed.save_metrics_line(metrics_path, record)
         parse = "-" if record["parse_fail"] is None else f"{record['parse_fail']:.2f}"
         print(f"update {update + 1}/{cfg.updates} | success {record['success']:.2f} | reward {record['reward']:.2f} "
@@ -323,6 +407,10 @@ def main(cfg):
         if (update + 1) % cfg.save_every == 0 or update + 1 == cfg.updates:
             save_checkpoint(cfg, policy, optimizer, update + 1)
 
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    if not master:
+        return None
     summary = {"eval": eval_rows, "out_dir": cfg.out_dir}
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
