@@ -229,11 +229,11 @@ def rank_zero_first(world, rank):
             torch.distributed.barrier()
 
 
-def sum_over_ranks(counts, world):
-    """A dict of numbers summed over all ranks (itself when world is 1)."""
+def sum_over_ranks(counts, world, device):
+    """A dict of numbers summed over all ranks (itself when world is 1); device: the policy's (NCCL needs CUDA)."""
     if world == 1:
         return counts
-    values = torch.tensor(list(counts.values()), dtype=torch.float64)
+    values = torch.tensor(list(counts.values()), dtype=torch.float64, device=device)
     torch.distributed.all_reduce(values)
     return dict(zip(counts, values.tolist()))
 
@@ -387,7 +387,7 @@ def main(cfg):
                                  "reward": sum(t["reward"] for t in trajectories),
                                  "steps": sum(len(t["steps"]) for t in trajectories), "rows": len(rows["prompts"]),
                                  "invalid": sum(not s["valid"] for t in trajectories for s in t["steps"]),
-                                 "parse_fail": sum(s is None for s in skill_list or [])}, world)
+                                 "parse_fail": sum(s is None for s in skill_list or [])}, world, policy.device)
         episodes = counts["trajectories"]
         record = {"update": update + 1, "success": counts["won"] / episodes, "reward": counts["reward"] / episodes,
                   "steps": counts["steps"] / episodes, "rows": int(counts["rows"]), "skipped": skipped,
