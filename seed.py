@@ -491,8 +491,10 @@ def ppo_update(policy, optimizer, rows, advantages, teacher_logp=None, ref_logp=
     behaviour policy's log-probs, which sampling recorded (rows['sampled_logp']). Returns (metrics averaged
     over the parts, skipped reasons joined or None)."""
     count = len(rows["prompts"])
-    parts = torch.randperm(count, generator=generator).chunk(min(mini_batches, count)) if mini_batches > 1 \
-        else [torch.arange(count)]
+    # tensor_split gives exactly that many parts (chunk can give fewer: 6 rows in 4 chunks are 3 of 2), so
+    # the steps are the ones asked for and torchrun ranks with different row counts take the same number
+    parts = torch.randperm(count, generator=generator).tensor_split(min(mini_batches, count)) \
+        if mini_batches > 1 else [torch.arange(count)]
     old_logp = padded_logprobs(rows["sampled_logp"]) if mini_batches > 1 else None  # (B, R)
     pick = lambda x, part: None if x is None else x[part]
     totals, reasons = {}, []
