@@ -2142,14 +2142,16 @@ def stub_analyze(policy, trajectories, *args, **kwargs):
 
 def recording_update(policy, optimizer, *args, **kwargs):
     record["policy"] = policy
-    optimizer.register_step_pre_hook(lambda *_: record.update(grads=[p.grad.clone() for p in policy.model.parameters()]))
+    grads = lambda *_: record.update(grads=[p.grad.clone() for p in policy.model.parameters()])
+    optimizer.register_step_pre_hook(grads)  # the summed, clipped gradient the rank steps with
     return policy_update(policy, optimizer, *args, **kwargs)
 
 seed.rollout, seed.analyze, seed.policy_update = recording_rollout, stub_analyze, recording_update
 config = train.get_config(sys.argv[2:])
 train.main(config)
 torch.save({"trajectories": record["trajectories"], "skills": record["skills"], "grads": record["grads"],
-            "weights": record["policy"].model.state_dict()}, os.path.join(config.out_dir, f"rank{os.environ['RANK']}.pt"))
+            "weights": record["policy"].model.state_dict()},
+           os.path.join(config.out_dir, f"rank{os.environ['RANK']}.pt"))
 '''
 
 
@@ -2361,8 +2363,8 @@ def test_readme_trl_subclass_trains(tiny, tmp_path):
     trainer.train()
     logged = {k: v for line in trainer.state.log_history for k, v in line.items()}
     moved = weight_change(before, trainer.model)
-    print(f"\nREADME SeedGRPOTrainer: distill off vs TRL bnpo: loss diff {abs(theirs - ours):.2e}, gradient {grad_diff:.2e};"
-          f" one train step: teacher share {logged['seed/teacher_token_share']:.2f}, |delta| "
+    print(f"\nREADME SeedGRPOTrainer: distill off vs TRL bnpo: loss diff {abs(theirs - ours):.2e}, gradient "
+          f"{grad_diff:.2e}; one train step: teacher share {logged['seed/teacher_token_share']:.2f}, |delta| "
           f"{logged['seed/delta_abs_mean']:.3f}, weights moved {moved:.2e}")
     assert 0 < logged["seed/teacher_token_share"] < 1 and logged["seed/delta_abs_mean"] > 0, logged
     assert moved > 0, "one SeedGRPOTrainer step left the weights unchanged"
