@@ -135,25 +135,28 @@ def evaluate(policy, cfg, split, envs, rank=0, world=1):
                                 cfg.max_new_tokens, cfg.eval_temperature, cfg.history_window, cfg.invalid_penalty,
                                 cfg.max_prompt_tokens, env_name=cfg.env, desc=f"eval {split}",
                                 generator=torch.Generator(policy.device).manual_seed(cfg.seed))
-    episodes = [(t["task_type"], float(t["won"]), len(t["steps"])) for t in trajectories]
+    episodes = [(t["task_type"], float(t["won"]), len(t["steps"]), sum(not s["valid"] for s in t["steps"]))
+                for t in trajectories]
     if world > 1:
         shares = [None] * world
         torch.distributed.all_gather_object(shares, episodes)
         episodes = [episode for share in shares for episode in share]
     per_type = {}
-    for task_type, won, _ in episodes:
+    for task_type, won, _, _ in episodes:
         per_type.setdefault(task_type, []).append(won)
     by_type = {k: sum(v) / len(v) for k, v in sorted(per_type.items())}
-    return {"split": split, "micro": sum(won for _, won, _ in episodes) / len(episodes),
+    steps = sum(e[2] for e in episodes)
+    return {"split": split, "micro": sum(e[1] for e in episodes) / len(episodes),
             "macro": sum(by_type.values()) / len(by_type), "per_type": by_type,
-            "steps": sum(steps for _, _, steps in episodes) / len(episodes)}
+            "steps": steps / len(episodes), "invalid_share": sum(e[3] for e in episodes) / max(1, steps)}
 
 
 def print_eval_table(rows):
     types = sorted({k for r in rows for k in r["per_type"]})
-    print(f"{'when':>10} {'split':>13} {'micro':>6} {'macro':>6} " + " ".join(f"{t[:12]:>12}" for t in types))
+    print(f"{'when':>10} {'split':>13} {'micro':>6} {'macro':>6} {'invalid':>7} "
+          + " ".join(f"{t[:12]:>12}" for t in types))
     for r in rows:
-        print(f"{r['when']:>10} {r['split']:>13} {r['micro']:6.3f} {r['macro']:6.3f} "
+        print(f"{r['when']:>10} {r['split']:>13} {r['micro']:6.3f} {r['macro']:6.3f} {r.get('invalid_share', 0):7.3f} "
               + " ".join(f"{r['per_type'].get(t, float('nan')):12.3f}" for t in types))
 
 
