@@ -1,7 +1,9 @@
 """Vision env "vision": MiniWoB-like click tasks on a screenshot, in pure numpy (no browser, no PIL).
 
-Each step shows a 112x112x3 uint8 screenshot of a 4x4 grid of 28-pixel cells (numbered 1-16 row by row) with
-coloured shapes in some cells, and an instruction. Actions are `click N` for N in 1..16, the same list for every
+Each step shows a 112x112x3 uint8 screenshot of a 4x4 grid of 28-pixel cells with coloured shapes in some cells,
+and an instruction. Each cell's number (1-16, row by row) is drawn in its corner, Set-of-Mark style: the action
+names a cell, and a Qwen2-VL image token carries no absolute position in its features, so a model reads the
+number off the pixels rather than having to count tokens. Actions are `click N` for N in 1..16, the same list for every
 task, so neither the instruction nor the actions say where anything is: only the pixels do (test_seed.py shows a
 text-only policy stays at chance). Six task families, MiniWoB in spirit:
   click-color        "Click the red shape."                  colours all differ
@@ -38,7 +40,10 @@ SHAPES = ("circle", "square", "triangle", "diamond", "cross")
 TASK_TYPES = ("click-color", "click-shape", "click-color-shape", "odd-one-out", "click-sequence", "click-all")
 SPLITS = ("train", "valid_seen", "valid_unseen")
 ACTIONS = tuple(f"click {i}" for i in range(1, GRID * GRID + 1))
-BACKGROUND, LINE = 255, 215
+BACKGROUND, LINE, LABEL = 255, 215, 110
+# 3x5 pixel digits for the cell numbers drawn in each cell's top-left corner
+DIGITS = ("111101101101111", "010110010010111", "111001111100111", "111001111001111", "101101111001001",
+          "111100111001111", "111100111101111", "111001001001001", "111101111101111", "111101111001111")
 OBSERVATION = f"The screenshot shows a {GRID}x{GRID} grid of cells numbered 1 to {GRID * GRID}, row by row."
 
 
@@ -51,8 +56,8 @@ HELD_OUT_PAIRS = frozenset((c, s) for c in COLORS for s in SHAPES if is_held_out
 
 
 def _shape_masks():
-    y, x = np.mgrid[0:CELL, 0:CELL] + 0.5 - CELL / 2                # pixel centres around the cell centre
-    r = CELL * 0.36
+    y, x = np.mgrid[0:CELL, 0:CELL] + 0.5 - CELL / 2 - 1.5          # pixel centres around the shape centre
+    r = CELL * 0.32
     return {"circle": x ** 2 + y ** 2 <= r ** 2,
             "square": (abs(x) <= r * 0.85) & (abs(y) <= r * 0.85),
             "triangle": (y <= r * 0.8) & (y >= -r) & (abs(x) <= (y + r) * 0.55),
@@ -63,11 +68,27 @@ def _shape_masks():
 SHAPE_MASKS = _shape_masks()  # name -> (CELL, CELL) bool
 
 
+def _label_mask(number):
+    """(CELL, CELL) bool: the digits of `number` in the cell's top-left corner."""
+    mask = np.zeros((CELL, CELL), dtype=bool)
+    for i, digit in enumerate(str(number)):
+        glyph = np.array([c == "1" for c in DIGITS[int(digit)]]).reshape(5, 3)
+        mask[2:7, 2 + 4 * i:5 + 4 * i] = glyph
+    return mask
+
+
+LABEL_MASKS = [_label_mask(cell + 1) for cell in range(GRID * GRID)]
+EMPTY = np.full((SIZE, SIZE, 3), BACKGROUND, dtype=np.uint8)
+EMPTY[::CELL, :] = LINE
+EMPTY[:, ::CELL] = LINE
+for _cell, _mask in enumerate(LABEL_MASKS):
+    EMPTY[_cell // GRID * CELL:(_cell // GRID + 1) * CELL, _cell % GRID * CELL:(_cell % GRID + 1) * CELL][_mask] = LABEL
+
+
 def render(items):
-    """items: {cell (0-based): (colour, shape)} -> (SIZE, SIZE, 3) uint8 screenshot with grid lines."""
-    image = np.full((SIZE, SIZE, 3), BACKGROUND, dtype=np.uint8)
-    image[::CELL, :] = LINE
-    image[:, ::CELL] = LINE
+    """items: {cell (0-based): (colour, shape)} -> (SIZE, SIZE, 3) uint8 screenshot: grid lines, cell numbers,
+    shapes."""
+    image = EMPTY.copy()
     for cell, (color, shape) in items.items():
         row, col = divmod(cell, GRID)
         view = image[row * CELL:(row + 1) * CELL, col * CELL:(col + 1) * CELL]

@@ -95,6 +95,9 @@ class Policy:
         self.stop_ids = sorted(i for i in stops if isinstance(i, int) and 0 <= i < len(tokenizer))
         # transformers 5.x renamed past_key_values -> cache; accept both so 4.x users are not locked out
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # a VLM never samples its vision tokens: an <|image_pad|> in a response would be read as a missing image
+        vision = [tokenizer.convert_tokens_to_ids(t) for t in vlm.VISION_TOKENS] if vlm.is_vlm_model(model) else []
+        self.banned_ids = [i for i in vision if isinstance(i, int) and 0 <= i < len(tokenizer)]
 
     @property
     def device(self):
@@ -217,6 +220,7 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
             images = {}  # the pixels go in with the prompt only
             cache = out["cache"] if "cache" in out else out["past_key_values"]
             logits = out.logits[:, -1].float()                                     # (b, V)
+            logits[:, policy.banned_ids] = float("-inf")  # (VLMs only; their share of the mass is ~0 once trained)
             if temperature > 0:
                 logprobs = torch.log_softmax(logits / temperature, dim=-1)
                 token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (b,)

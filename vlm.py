@@ -129,6 +129,10 @@ def is_vlm(name_or_path):
         return False
 
 
+def is_vlm_model(model):
+    return getattr(model.config, "vision_config", None) is not None
+
+
 def load_vlm(name_or_path, dtype):
     """(model, tokenizer) of a Qwen2-VL / Qwen2.5-VL; the PIL image processor rides on tokenizer.image_processor
     (the default processor needs torchvision, which does not import beside the CPU torch wheel)."""
