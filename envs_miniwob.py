@@ -60,7 +60,8 @@ def _import_miniwob():
     if not (binary and os.path.exists(binary) and driver and os.path.exists(driver)):
         raise RuntimeError("--env miniwob needs Chromium and its driver: apt-get install chromium chromium-driver, "
                            "then set MINIWOB_CHROME_BINARY=/usr/bin/chromium MINIWOB_CHROMEDRIVER=/usr/bin/chromedriver")
-    gymnasium.register_envs(miniwob)
+    if "miniwob/click-test-v1" not in gymnasium.registry:  # registering twice warns about every task
+        gymnasium.register_envs(miniwob)
     logging.getLogger("root").setLevel(logging.ERROR)  # miniwob logs every restart at WARNING via the root logger
     return gymnasium, ActionTypes
 

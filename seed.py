@@ -220,13 +220,15 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
             images = {}  # the pixels go in with the prompt only
             cache = out["cache"] if "cache" in out else out["past_key_values"]
             logits = out.logits[:, -1].float()                                     # (b, V)
-            logits[:, policy.banned_ids] = float("-inf")  # (VLMs only; their share of the mass is ~0 once trained)
+            logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+            # banned ids (a VLM's vision tokens) are never drawn; the recorded log-probs stay the model's own, as
+            # re-scoring computes them (the banned share of the mass is ~0 once the model is trained)
+            allowed = logprobs.index_fill(-1, torch.tensor(policy.banned_ids, dtype=torch.long, device=device),
+                                          float("-inf")) if policy.banned_ids else logprobs
             if temperature > 0:
-                logprobs = torch.log_softmax(logits / temperature, dim=-1)
-                token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (b,)
+                token = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(-1)  # (b,)
             else:
-                logprobs = torch.log_softmax(logits, dim=-1)
-                token = logprobs.argmax(-1)
+                token = allowed.argmax(-1)
             token = torch.where(alive, token, torch.full_like(token, policy.pad_id))
             tokens.append(token)
             token_logps.append(logprobs.gather(-1, token[:, None]).squeeze(-1))
