@@ -413,14 +413,15 @@ def micro_batches(prompts, responses, max_batch_tokens):
 
 def step_rows(trajectories, skill_per_trajectory=None):
     """Flatten trajectories into one training row per step. Returns a dict of lists:
-    prompts (ordinary prompt ids), responses, teacher_prompts (None where the trajectory has no skill),
-    trajectory index."""
-    rows = {"prompts": [], "responses": [], "teacher_prompts": [], "trajectory": []}
+    prompts (ordinary prompt ids), responses, sampled_logp (the behaviour policy's log-probs recorded while
+    sampling), teacher_prompts (None where the trajectory has no skill), trajectory index."""
+    rows = {"prompts": [], "responses": [], "sampled_logp": [], "teacher_prompts": [], "trajectory": []}
     for index, trajectory in enumerate(trajectories):
         skill = skill_per_trajectory[index] if skill_per_trajectory else None
         for step in trajectory["steps"]:
             rows["prompts"].append(step["prompt_ids"])
             rows["responses"].append(step["response_ids"])
+            rows["sampled_logp"].append(step["sampled_logp"])
             rows["teacher_prompts"].append(  # the teacher sees the same screenshot (if any) with the skill in its text
                 None if skill is None else vlm.same_image(step["prompt"], skills.with_skill(step["prompt"], skill)))
             rows["trajectory"].append(index)
@@ -501,6 +502,37 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
         totals["grad_norm"] = float(grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return totals, skipped
+
+
+def padded_logprobs(rows):
+    """Per-token log-prob lists -> (B, R) tensor, zeros past each row's end (the response mask's layout)."""
+    width = max(1, max(len(row) for row in rows))
+    return torch.tensor([row + [0.0] * (width - len(row)) for row in rows], dtype=torch.float32)  # (B, R)
+
+
+def ppo_update(policy, optimizer, rows, advantages, teacher_logp=None, ref_logp=None, has_teacher=None,
+               mini_batches=1, generator=None, **update_kwargs):
+    """PPO over one rollout batch: the rows are shuffled into `mini_batches` parts and each part is one
+    optimizer step (policy_update), as verl's ppo_mini_batch_size does. One part: old = the update's own
+    detached log-probs (same weights). Several: later parts run on moved weights, so the ratio needs the
+    behaviour policy's log-probs, which sampling recorded (rows['sampled_logp']). Returns (metrics averaged
+    over the parts, skipped reasons joined or None)."""
+    count = len(rows["prompts"])
+    parts = torch.randperm(count, generator=generator).chunk(min(mini_batches, count)) if mini_batches > 1 \
+        else [torch.arange(count)]
+    old_logp = padded_logprobs(rows["sampled_logp"]) if mini_batches > 1 else None  # (B, R)
+    pick = lambda x, part: None if x is None else x[part]
+    totals, reasons = {}, []
+    for part in parts:
+        indices = part.tolist()
+        metrics, skipped = policy_update(
+            policy, optimizer, [rows["prompts"][i] for i in indices], [rows["responses"][i] for i in indices],
+            advantages[part], pick(old_logp, part), pick(teacher_logp, part), pick(ref_logp, part),
+            pick(has_teacher, part), **update_kwargs)
+        reasons += [skipped] if skipped else []
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + value / len(parts)
+    return totals, ("; ".join(reasons) or None)
 
 
 def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0, prompt_weight=0.0):

@@ -1785,6 +1785,43 @@ def test_rescore_without_student_pass_gives_the_same_update(tiny, trajectories):
     assert diff < 1e-6 and metric_diff < 1e-5, f"weights {diff}, metrics {metric_diff}"
 
 
+
+def test_ppo_mini_batches(tiny, trajectories):
+    """ppo_update: one part equals policy_update on all rows; two parts are two optimizer steps on a random
+    split, the first with ratio 1 (the sampling log-probs are the current weights'), the second with the
+    behaviour log-probs of the moved weights (ratio != 1, ppo_kl > 0) and each part's teacher rows."""
+    rows = seed.step_rows(trajectories, [SKILL, None, SKILL, None])
+    _, teacher, _, has_teacher = seed.rescore(tiny[0], rows, need_old=False)
+    advantages = torch.randn(len(rows["prompts"]), generator=torch.Generator().manual_seed(5))  # (B,)
+    kwargs = dict(loss_kwargs=dict(distill_coef=0.1))
+    one, reference = fresh(tiny[0]), fresh(tiny[0])
+    seed.ppo_update(one, torch.optim.SGD(one.model.parameters(), lr=0.5), rows, advantages, teacher, None,
+                    has_teacher, mini_batches=1, **kwargs)
+    seed.policy_update(reference, torch.optim.SGD(reference.model.parameters(), lr=0.5), rows["prompts"],
+                       rows["responses"], advantages, None, teacher, None, has_teacher, dict(distill_coef=0.1))
+    diff = max(max_diff(a, b) for a, b in zip(one.model.parameters(), reference.model.parameters()))
+    assert diff < 1e-7, f"one mini-batch differs from policy_update: {diff}"
+
+    two, by_hand = fresh(tiny[0]), fresh(tiny[0])
+    metrics, skipped = seed.ppo_update(two, torch.optim.SGD(two.model.parameters(), lr=0.5), rows, advantages,
+                                       teacher, None, has_teacher, mini_batches=2,
+                                       generator=torch.Generator().manual_seed(6), **kwargs)
+    assert skipped is None and finite(metrics), (skipped, metrics)
+    parts = torch.randperm(len(rows["prompts"]), generator=torch.Generator().manual_seed(6)).chunk(2)
+    behaviour = seed.padded_logprobs(rows["sampled_logp"])  # (B, R)
+    optimizer, kls = torch.optim.SGD(by_hand.model.parameters(), lr=0.5), []
+    for part in parts:
+        part_metrics, _ = seed.policy_update(
+            by_hand, optimizer, [rows["prompts"][i] for i in part], [rows["responses"][i] for i in part],
+            advantages[part], behaviour[part], teacher[part], None, has_teacher[part], dict(distill_coef=0.1))
+        kls.append(part_metrics["ppo_kl"])
+    diff = max(max_diff(a, b) for a, b in zip(two.model.parameters(), by_hand.model.parameters()))
+    print(f"\nppo_update(2 parts) vs two policy_update calls: max weight diff {diff:.2e}; ppo_kl per part {kls}")
+    assert diff < 1e-7, f"two mini-batches differ from two policy_update steps: {diff}"
+    assert abs(kls[0]) < 1e-4 < abs(kls[1]), f"expected ratio 1 then a moved policy, ppo_kl {kls}"
+    assert abs(metrics["ppo_kl"] - sum(kls) / 2) < 1e-6, (metrics["ppo_kl"], kls)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 def test_sample_greedy_stop_and_logprobs(tiny, trajectories):

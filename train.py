@@ -77,6 +77,9 @@ def get_config(argv=None):
         help="loss aggregation")
     # optimisation
     add("--lr", type=float, default=None, help="learning rate (default: 1e-6 for HF models, 2e-4 for tiny)")
+    add("--mini-batches", type=int, default=None,
+        help="optimizer steps per update, each on a random part of the rows (verl's PPO mini-batches; "
+             "default 4 for tiny, 1 for HF models)")
     add("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     add("--grad-clip", type=float, default=1.0, help="max gradient norm")
     add("--layout", default="padded", choices=["padded", "packed"], help="batch layout for scoring/training")
@@ -106,6 +109,10 @@ def get_config(argv=None):
         p.error(f"--max-steps must be at least 1, got {cfg.max_steps}")
     if cfg.lr is None:
         cfg.lr = 2e-4 if cfg.model == "tiny" else 1e-6
+    if cfg.mini_batches is None:
+        cfg.mini_batches = 4 if cfg.model == "tiny" else 1
+    if cfg.mini_batches < 1:
+        p.error(f"--mini-batches must be at least 1, got {cfg.mini_batches}")
     if cfg.distill_coef is None:  # tiny: 1e-3 x delta (mean |delta| 0.02) is invisible next to O(1) advantages;
         # measured, 0.1 is still too small to change the result and 1.0 collapses the policy (README experiment)
         cfg.distill_coef = 0.1 if cfg.model == "tiny" else 1e-3
@@ -285,8 +292,9 @@ def main(cfg):
         # ---- re-score: old / teacher / reference log-probs of the same sampled tokens
         t2 = time.time()
         rows = seed.step_rows(trajectories, skill_list)
-        # (no student pass: with one PPO epoch the update's forward gives log pi_old exactly, see seed.rescore)
-        old_logp, teacher_logp, ref_logp, has_teacher = seed.rescore(policy, rows, cfg.temperature, cfg.layout,
+        # (no student pass: log pi_old is the update's own forward for one mini-batch, else the log-probs that
+        # sampling recorded; see seed.ppo_update)
+        _, teacher_logp, ref_logp, has_teacher = seed.rescore(policy, rows, cfg.temperature, cfg.layout,
                                                                      cfg.max_batch_tokens, reference, need_old=False)
         times["rescore"] = time.time() - t2
 
@@ -295,10 +303,11 @@ def main(cfg):
 
         # ---- loss/backward + step
         t3 = time.time()
-        metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages,
-                                              old_logp, teacher_logp if cfg.algo == "seed" else None, ref_logp,
-                                              has_teacher, loss_kwargs, cfg.temperature, cfg.layout,
-                                              cfg.max_batch_tokens, cfg.grad_clip)
+        metrics, skipped = seed.ppo_update(policy, optimizer, rows, advantages,
+                                           teacher_logp if cfg.algo == "seed" else None, ref_logp, has_teacher,
+                                           cfg.mini_batches, loss_kwargs=loss_kwargs, temperature=cfg.temperature,
+                                           layout=cfg.layout, max_batch_tokens=cfg.max_batch_tokens,
+                                           grad_clip=cfg.grad_clip)
         times["update"] = time.time() - t3
 
         # ---- log
