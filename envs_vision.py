@@ -97,16 +97,17 @@ def render(items):
 
 
 def read_screen(image):
-    """The items a screenshot shows, read from its pixels alone: {cell: (colour, shape)}."""
+    """The items a screenshot shows, read from its pixels alone: {cell: (colour, shape)}. A cell's item is its
+    coloured (non-grey) pixels: their one colour and the shape mask they fill exactly."""
+    cells = image.reshape(GRID, CELL, GRID, CELL, 3).swapaxes(1, 2).reshape(GRID * GRID, CELL, CELL, 3).astype(int)
+    painted = cells.max(-1) != cells.min(-1)                        # (cells, CELL, CELL): grey is background
     items = {}
-    for cell in range(GRID * GRID):
-        row, col = divmod(cell, GRID)
-        view = image[row * CELL:(row + 1) * CELL, col * CELL:(col + 1) * CELL].astype(int)
-        for color, rgb in COLORS.items():
-            painted = (view == rgb).all(-1)                         # (CELL, CELL)
-            shape = next((s for s, m in SHAPE_MASKS.items() if painted.any() and (painted == m).all()), None)
-            if shape:
-                items[cell] = (color, shape)
+    for cell in np.flatnonzero(painted.any((1, 2))):
+        pixels = cells[cell][painted[cell]]                         # (n, 3)
+        color = next((c for c, rgb in COLORS.items() if (pixels == rgb).all()), None)
+        shape = next((s for s, mask in SHAPE_MASKS.items() if (painted[cell] == mask).all()), None)
+        if color and shape:
+            items[int(cell)] = (color, shape)
     return items
 
 
