@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 import loss as L
 import skills
+import vlm
 
 # ----------------------------------------------------------------------------- prompts and actions
 
@@ -38,6 +39,8 @@ HEADERS = {  # first line of the agent prompt per env family (verl-agent templat
     "household": "You are an expert agent operating in the ALFRED Embodied Environment.",
     "alfworld": "You are an expert agent operating in the ALFRED Embodied Environment.",
     "webshop": "You are an expert autonomous agent operating in the WebShop e-commerce environment.",
+    "vision": "You are an expert agent operating a web page from its screenshot.",
+    "miniwob": "You are an expert agent operating a web page from its screenshot.",
 }
 INSTRUCTION = ("Now it's your turn to take an action.\n"
                "You should first reason step-by-step about the current situation. This reasoning process "
@@ -71,7 +74,10 @@ def parse_action(response):
 
 
 def encode_chat(tokenizer, user_text):
-    """Token ids of one user turn plus the assistant header, through the model's own chat template."""
+    """Token ids of one user turn plus the assistant header, through the model's own chat template. A message
+    with a screenshot (vlm.ImageText) gives ids carrying the pixels (vlm.ImageIds)."""
+    if getattr(user_text, "image", None) is not None:
+        return vlm.encode_image_chat(tokenizer, user_text)
     text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -89,6 +95,9 @@ class Policy:
         self.stop_ids = sorted(i for i in stops if isinstance(i, int) and 0 <= i < len(tokenizer))
         # transformers 5.x renamed past_key_values -> cache; accept both so 4.x users are not locked out
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # a VLM never samples its vision tokens: an <|image_pad|> in a response would be read as a missing image
+        vision = [tokenizer.convert_tokens_to_ids(t) for t in vlm.VISION_TOKENS] if vlm.is_vlm_model(model) else []
+        self.banned_ids = [i for i in vision if isinstance(i, int) and 0 <= i < len(tokenizer)]
 
     @property
     def device(self):
@@ -107,10 +116,14 @@ def load_policy(name_or_path, device=None, dtype=None, gradient_checkpointing=Fa
     unless the user's environment allows it). bf16 on CUDA, fp32 on CPU unless told otherwise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     device, dtype = pick_device_dtype(device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if vlm.is_vlm(name_or_path):  # Qwen2-VL / Qwen2.5-VL: the image processor rides on the tokenizer
+        model, tokenizer = vlm.load_vlm(name_or_path, dtype)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
+    model = model.to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -126,25 +139,32 @@ QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def build_tiny_policy(corpus, out_dir, vocab_size=2048, seed=0, **sizes):
-    """Train a byte-level BPE tokenizer on `corpus` (iterable of str), build a small Qwen2 model from a
-    config, save both as an ordinary HF folder in out_dir and return them reloaded from there."""
+def build_tiny_tokenizer(corpus, vocab_size=2048, extra_special=(), chat_template=None):
+    """A byte-level BPE tokenizer trained on `corpus` (iterable of str), Qwen2's specials plus extra_special."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special]
     markup = ["<think>", "</think>", "<action>", "</action>"]  # single tokens: the format is cheap to learn
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.add_tokens(markup)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template or CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_policy(corpus, out_dir, vocab_size=2048, seed=0, **sizes):
+    """Train a byte-level BPE tokenizer on `corpus` (iterable of str), build a small Qwen2 model from a
+    config, save both as an ordinary HF folder in out_dir and return them reloaded from there."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tokenizer = build_tiny_tokenizer(corpus, vocab_size)
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -189,20 +209,26 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
     for first in range(0, len(order), batch_size):
         rows = order[first:first + batch_size]
         ids, attention, positions = left_pad([prompts[i] for i in rows], policy.pad_id, device)
+        images = vlm.image_inputs(model, [prompts[i] for i in rows], ids, attention)  # {} for text prompts
+        positions = images.pop("position_ids", positions)                         # (B, P) or M-RoPE (3, B, P)
         cache, step_input, step_positions = None, ids, positions
         alive = torch.ones(len(rows), dtype=torch.bool, device=device)           # (b,)
         tokens, token_logps, token_alive = [], [], []
         for _ in range(max_new_tokens):
             out = model(input_ids=step_input, attention_mask=attention, position_ids=step_positions,
-                        use_cache=True, logits_to_keep=1, **{policy.cache_kwarg: cache})
+                        use_cache=True, logits_to_keep=1, **{policy.cache_kwarg: cache}, **images)
+            images = {}  # the pixels go in with the prompt only
             cache = out["cache"] if "cache" in out else out["past_key_values"]
             logits = out.logits[:, -1].float()                                     # (b, V)
+            logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+            # banned ids (a VLM's vision tokens) are never drawn; the recorded log-probs stay the model's own, as
+            # re-scoring computes them (the banned share of the mass is ~0 once the model is trained)
+            allowed = logprobs.index_fill(-1, torch.tensor(policy.banned_ids, dtype=torch.long, device=device),
+                                          float("-inf")) if policy.banned_ids else logprobs
             if temperature > 0:
-                logprobs = torch.log_softmax(logits / temperature, dim=-1)
-                token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (b,)
+                token = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(-1)  # (b,)
             else:
-                logprobs = torch.log_softmax(logits, dim=-1)
-                token = logprobs.argmax(-1)
+                token = allowed.argmax(-1)
             token = torch.where(alive, token, torch.full_like(token, policy.pad_id))
             tokens.append(token)
             token_logps.append(logprobs.gather(-1, token[:, None]).squeeze(-1))
@@ -211,7 +237,7 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
             if not alive.any():
                 break
             step_input = token[:, None]
-            step_positions = step_positions[:, -1:] + 1
+            step_positions = step_positions[..., -1:] + 1
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         tokens, token_logps, token_alive = (torch.stack(x, 1).cpu() for x in (tokens, token_logps, token_alive))
         for j, i in enumerate(rows):
@@ -250,10 +276,13 @@ def rollout(policy, envs, task_seeds, group_size, max_steps, max_new_tokens=64, 
         prompts, prompt_ids = [], []
         for i in active:
             state = live[i]
-            text = render_prompt(trajectories[i]["task"], state["history"], state["obs"],
-                                 state["info"].get("admissible", []), history_window, env_name)
+            text = vlm.user_message(render_prompt(trajectories[i]["task"], state["history"],
+                                                  vlm.observation_text(state["obs"]),
+                                                  state["info"].get("admissible", []), history_window, env_name),
+                                    state["obs"])
             ids = encode_chat(policy.tokenizer, text)
-            if len(ids) > max_prompt_tokens:  # keep the end: the current observation and the instruction
+            if len(ids) > max_prompt_tokens and not vlm.has_images([ids]):  # keep the end: the current observation
+                # and the instruction (an image prompt is never cut: its image tokens open it)
                 ids, truncated = ids[-max_prompt_tokens:], truncated + 1
             prompts.append(text)
             prompt_ids.append(ids)
@@ -264,13 +293,13 @@ def rollout(policy, envs, task_seeds, group_size, max_steps, max_new_tokens=64, 
             action = parse_action(response_text)
             observation, reward, done, info = state["env"].step(action if action is not None else "")
             reward -= invalid_penalty if action is None else 0.0
-            trajectory["steps"].append({"observation": state["obs"], "response": response_text,
+            trajectory["steps"].append({"observation": vlm.observation_text(state["obs"]), "response": response_text,
                                         "action": action or "", "reward": float(reward),
                                         "valid": bool(info.get("valid", True)) and action is not None,
                                         "prompt": text, "prompt_ids": ids, "response_ids": response,
                                         "sampled_logp": logp})
             trajectory["reward"] += float(reward)
-            state["history"].append((state["obs"], action or ""))
+            state["history"].append((vlm.observation_text(state["obs"]), action or ""))
             state["obs"], state["info"] = observation, info
             if done or len(trajectory["steps"]) >= max_steps:
                 trajectory["won"] = bool(info.get("won", False))
@@ -322,11 +351,15 @@ def forward_logits(model, prompts, responses, pad_id, layout="padded"):
         ids = torch.cat([prompt_ids, targets], dim=1)                               # (B, P + R)
         attention = torch.cat([prompt_attention, mask], dim=1)                      # (B, P + R)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        images = vlm.image_inputs(model, prompts, ids, attention)                   # {} for text prompts
+        positions = images.pop("position_ids", positions)                           # (B, P + R) or (3, B, P + R)
         logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                       use_cache=False, logits_to_keep=width + 1).logits[:, :-1]    # (B, R, V)
+                       use_cache=False, logits_to_keep=width + 1, **images).logits[:, :-1]  # (B, R, V)
         return logits, targets
     if layout != "packed":
         raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+    if vlm.has_images(prompts):
+        raise ValueError("the packed layout does not carry images: use --layout padded with a vision env")
     ids, positions, keep, slots = [], [], [], []
     for row, (prompt, response) in enumerate(zip(prompts, responses)):
         start = len(ids)
@@ -389,7 +422,8 @@ def step_rows(trajectories, skill_per_trajectory=None):
             rows["prompts"].append(step["prompt_ids"])
             rows["responses"].append(step["response_ids"])
             rows["sampled_logp"].append(step["sampled_logp"])
-            rows["teacher_prompts"].append(None if skill is None else skills.with_skill(step["prompt"], skill))
+            rows["teacher_prompts"].append(  # the teacher sees the same screenshot (if any) with the skill in its text
+                None if skill is None else vlm.same_image(step["prompt"], skills.with_skill(step["prompt"], skill)))
             rows["trajectory"].append(index)
     return rows
 

@@ -5,6 +5,8 @@ train.py: the SEED training script -- one flat loop, nanoGPT style.
     python train.py --algo grpo                       # the baseline: same loop, no analysis, lambda = 0
     python train.py --env alfworld --model Qwen/Qwen2.5-1.5B-Instruct   # real ALFWorld on a GPU
     torchrun --standalone --nproc_per_node=4 train.py --env alfworld --model ...   # data parallel, 4 GPUs
+    python train.py --env vision                      # tiny Qwen2-VL on the embedded screenshot env, CPU
+    python train.py --env miniwob --task click-button --model Qwen/Qwen2.5-VL-3B-Instruct   # real MiniWoB++
 
 Stages (--stage): `all` (default) = warm-up of the tiny model when --model tiny, stage 1 (analyzer SFT on
 hindsight skills), stage 2 (RL); `sft` = stage 1 only; `rl` = stage 2 only. Each RL update has the phases
@@ -43,7 +45,11 @@ def get_config(argv=None):
     add("--stage", default="all", choices=["all", "sft", "rl"], help="all = warm-up (tiny) + stage 1 + stage 2")
     add("--algo", default="seed", choices=["seed", "grpo"], help="seed = GRPO + self-analysis distillation")
     add("--env", default="household",
-        help="household (embedded), alfworld (real engine) or webshop ($WEBSHOP_URL, else the offline mini shop)")
+        help="household (embedded), alfworld (real engine), webshop ($WEBSHOP_URL, else the offline mini shop), "
+             "vision (embedded screenshots, VLM policy) or miniwob (real MiniWoB++ in headless Chromium)")
+    add("--task", default="click-test", help="--env miniwob: the MiniWoB task, e.g. click-button, enter-text")
+    add("--miniwob-elements", action="store_true",
+        help="--env miniwob: list the page's elements in the observation text and as admissible clicks")
     add("--data-dir", default=None, help="ALFWorld data folder (default $ALFWORLD_DATA, else synthetic games)")
     add("--model", default="tiny", help="'tiny' (built offline) or a Hugging Face model name or folder")
     add("--out-dir", default="out", help="checkpoints, metrics.jsonl, eval.jsonl and config.json go here")
