@@ -37,8 +37,7 @@ import random
 import zlib
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
-# One place to add the vision and WebShop envs when they land.
-ENV_NAMES = ("household", "alfworld", "webshop")
+ENV_NAMES = ("household", "alfworld", "webshop", "vision", "miniwob")
 
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
               "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
@@ -484,6 +483,12 @@ def make_env(name="household", split="train", seed=0, **options):
     if name == "webshop":
         from envs_webshop import WebshopEnv  # HTTP client; starts the offline mini WebShop when no server is given
         return WebshopEnv(split, seed, **options)
+    if name == "vision":  # screenshot click tasks in numpy (envs_vision.py); obs = {"text", "image"}
+        from envs_vision import VisionEnv
+        return VisionEnv(split, seed, **options)
+    if name == "miniwob":  # the real MiniWoB++ in headless Chromium (optional package and browser)
+        from envs_miniwob import MiniwobEnv
+        return MiniwobEnv(split, seed, **options)
     raise ValueError(f"unknown env {name!r}; valid names: {', '.join(ENV_NAMES)}")
 
 

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 import loss as L
 import skills
+import vlm
 
 # ----------------------------------------------------------------------------- prompts and actions
 
@@ -41,6 +42,8 @@ HEADERS = {  # first line of the agent prompt per env family (verl-agent templat
     "household": "You are an expert agent operating in the ALFRED Embodied Environment.",
     "alfworld": "You are an expert agent operating in the ALFRED Embodied Environment.",
     "webshop": "You are an expert autonomous agent operating in the WebShop e-commerce environment.",
+    "vision": "You are an expert agent operating a web page from its screenshot.",
+    "miniwob": "You are an expert agent operating a web page from its screenshot.",
 }
 INSTRUCTION = ("Now it's your turn to take an action.\n"
                "You should first reason step-by-step about the current situation. This reasoning process "
@@ -75,7 +78,10 @@ def parse_action(response):
 
 
 def encode_chat(tokenizer, user_text):
-    """Token ids of one user turn plus the assistant header, through the model's own chat template."""
+    """Token ids of one user turn plus the assistant header, through the model's own chat template. A message
+    with a screenshot (vlm.ImageText) gives ids carrying the pixels (vlm.ImageIds)."""
+    if getattr(user_text, "image", None) is not None:
+        return vlm.encode_image_chat(tokenizer, user_text)
     text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -93,6 +99,9 @@ class Policy:
         self.stop_ids = sorted(i for i in stops if isinstance(i, int) and 0 <= i < len(tokenizer))
         # transformers 5.x renamed past_key_values -> cache; accept both so 4.x users are not locked out
         self.cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # a VLM never samples its vision tokens: an <|image_pad|> in a response would be read as a missing image
+        vision = [tokenizer.convert_tokens_to_ids(t) for t in vlm.VISION_TOKENS] if vlm.is_vlm_model(model) else []
+        self.banned_ids = [i for i in vision if isinstance(i, int) and 0 <= i < len(tokenizer)]
 
     @property
     def device(self):
@@ -111,10 +120,14 @@ def load_policy(name_or_path, device=None, dtype=None, gradient_checkpointing=Fa
     unless the user's environment allows it). bf16 on CUDA, fp32 on CPU unless told otherwise."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     device, dtype = pick_device_dtype(device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if vlm.is_vlm(name_or_path):  # Qwen2-VL / Qwen2.5-VL: the image processor rides on the tokenizer
+        model, tokenizer = vlm.load_vlm(name_or_path, dtype)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).to(device)
+    model = model.to(device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -130,25 +143,32 @@ QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
-def build_tiny_policy(corpus, out_dir, vocab_size=2048, seed=0, **sizes):
-    """Train a byte-level BPE tokenizer on `corpus` (iterable of str), build a small Qwen2 model from a
-    config, save both as an ordinary HF folder in out_dir and return them reloaded from there."""
+def build_tiny_tokenizer(corpus, vocab_size=2048, extra_special=(), chat_template=None):
+    """A byte-level BPE tokenizer trained on `corpus` (iterable of str), Qwen2's specials plus extra_special."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
-    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_special]
     markup = ["<think>", "</think>", "<action>", "</action>"]  # single tokens: the format is cheap to learn
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.add_tokens(markup)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template or CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_policy(corpus, out_dir, vocab_size=2048, seed=0, **sizes):
+    """Train a byte-level BPE tokenizer on `corpus` (iterable of str), build a small Qwen2 model from a
+    config, save both as an ordinary HF folder in out_dir and return them reloaded from there."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tokenizer = build_tiny_tokenizer(corpus, vocab_size)
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -193,21 +213,27 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
     for first in range(0, len(order), batch_size):
         rows = order[first:first + batch_size]
         ids, attention, positions = left_pad([prompts[i] for i in rows], policy.pad_id, device)
+        images = vlm.image_inputs(model, [prompts[i] for i in rows], ids, attention)  # {} for text prompts
+        positions = images.pop("position_ids", positions)                         # (B, P) or M-RoPE (3, B, P)
         cache, step_input, step_positions = None, ids, positions
         alive = torch.ones(len(rows), dtype=torch.bool, device=device)           # (b,)
         tokens, token_logps, token_alive = [], [], []
         for _ in range(max_new_tokens):
             out = model(input_ids=step_input, attention_mask=attention, position_ids=step_positions,
-                        use_cache=True, logits_to_keep=1, **{policy.cache_kwarg: cache})
+                        use_cache=True, logits_to_keep=1, **{policy.cache_kwarg: cache}, **images)
+            images = {}  # the pixels go in with the prompt only
             cache = out["cache"] if "cache" in out else out["past_key_values"]
             logits = out.logits[:, -1].float()                                     # (b, V)
             logits = torch.nan_to_num(logits, nan=0.0, posinf=1e4, neginf=-1e4)  # NaN/inf: sample, let the update skip
+            logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+            # banned ids (a VLM's vision tokens) are never drawn; the recorded log-probs stay the model's own, as
+            # re-scoring computes them (the banned share of the mass is ~0 once the model is trained)
+            allowed = logprobs.index_fill(-1, torch.tensor(policy.banned_ids, dtype=torch.long, device=device),
+                                          float("-inf")) if policy.banned_ids else logprobs
             if temperature > 0:
-                logprobs = torch.log_softmax(logits / temperature, dim=-1)
-                token = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # (b,)
+                token = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(-1)  # (b,)
             else:
-                logprobs = torch.log_softmax(logits, dim=-1)
-                token = logprobs.argmax(-1)
+                token = allowed.argmax(-1)
             token = torch.where(alive, token, torch.full_like(token, policy.pad_id))
             tokens.append(token)
             token_logps.append(logprobs.gather(-1, token[:, None]).squeeze(-1))
@@ -216,7 +242,7 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
             if not alive.any():
                 break
             step_input = token[:, None]
-            step_positions = step_positions[:, -1:] + 1
+            step_positions = step_positions[..., -1:] + 1
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         tokens, token_logps, token_alive = (torch.stack(x, 1).cpu() for x in (tokens, token_logps, token_alive))
         for j, i in enumerate(rows):
@@ -305,11 +331,15 @@ def rollout(policy, envs, task_seeds, group_size, max_steps, max_new_tokens=64, 
         prompts, prompt_ids, cut = [], [], []
         for i in active:
             state = live[i]
-            text = render_prompt(trajectories[i]["task"], state["history"], state["obs"],
-                                 state["info"].get("admissible", []), history_window, env_name)
+            text = vlm.user_message(render_prompt(trajectories[i]["task"], state["history"],
+                                                  vlm.observation_text(state["obs"]),
+                                                  state["info"].get("admissible", []), history_window, env_name),
+                                    state["obs"])
             ids = encode_chat(policy.tokenizer, text)
-            cut.append(len(ids) > max_prompt_tokens)
-            if cut[-1]:  # keep the end: the current observation and the instruction
+            # keep the end: the current observation and the instruction (an image prompt is never cut: its image
+            # tokens open it)
+            cut.append(len(ids) > max_prompt_tokens and not vlm.has_images([ids]))
+            if cut[-1]:
                 ids, truncated = ids[-max_prompt_tokens:], truncated + 1
             prompts.append(text)
             prompt_ids.append(ids)
@@ -325,14 +355,17 @@ def rollout(policy, envs, task_seeds, group_size, max_steps, max_new_tokens=64, 
                 trajectory["dropped"], live[i] = str(failure), None
                 restart_env(envs, state["index"], env_factory, env_timeout)
                 continue
+            if info.get("browser_restarted"):  # MiniWoB lost its browser mid-episode (and restarted it itself)
+                trajectory["dropped"], live[i] = "env.step: the browser died; the env restarted it", None
+                continue
             reward -= invalid_penalty if action is None else 0.0
-            trajectory["steps"].append({"observation": state["obs"], "response": response_text,
+            trajectory["steps"].append({"observation": vlm.observation_text(state["obs"]), "response": response_text,
                                         "action": action or "", "reward": float(reward),
                                         "valid": bool(info.get("valid", True)) and action is not None,
                                         "prompt": text, "prompt_ids": ids, "response_ids": response,
                                         "sampled_logp": logp, "truncated": was_cut})
             trajectory["reward"] += float(reward)
-            state["history"].append((state["obs"], action or ""))
+            state["history"].append((vlm.observation_text(state["obs"]), action or ""))
             state["obs"], state["info"] = observation, info
             if done or len(trajectory["steps"]) >= max_steps:
                 trajectory["won"] = bool(info.get("won", False))
@@ -384,11 +417,15 @@ def forward_logits(model, prompts, responses, pad_id, layout="padded"):
         ids = torch.cat([prompt_ids, targets], dim=1)                               # (B, P + R)
         attention = torch.cat([prompt_attention, mask], dim=1)                      # (B, P + R)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        images = vlm.image_inputs(model, prompts, ids, attention)                   # {} for text prompts
+        positions = images.pop("position_ids", positions)                           # (B, P + R) or (3, B, P + R)
         logits = model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                       use_cache=False, logits_to_keep=width + 1).logits[:, :-1]    # (B, R, V)
+                       use_cache=False, logits_to_keep=width + 1, **images).logits[:, :-1]  # (B, R, V)
         return logits, targets
     if layout != "packed":
         raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+    if vlm.has_images(prompts):
+        raise ValueError("the packed layout does not carry images: use --layout padded with a vision env")
     ids, positions, keep, slots = [], [], [], []
     for row, (prompt, response) in enumerate(zip(prompts, responses)):
         start = len(ids)
@@ -442,17 +479,20 @@ def micro_batches(prompts, responses, max_batch_tokens):
 
 def step_rows(trajectories, skill_per_trajectory=None):
     """Flatten trajectories into one training row per step. Returns a dict of lists:
-    prompts (ordinary prompt ids), responses, teacher_prompts (None where the trajectory has no skill),
-    trajectory index."""
-    rows = {"prompts": [], "responses": [], "teacher_prompts": [], "trajectory": []}
+    prompts (ordinary prompt ids), responses, sampled_logp (the behaviour policy's log-probs recorded while
+    sampling), teacher_prompts (None where the trajectory has no skill), trajectory index."""
+    rows = {"prompts": [], "responses": [], "sampled_logp": [], "teacher_prompts": [], "trajectory": []}
     for index, trajectory in enumerate(trajectories):
         skill = skill_per_trajectory[index] if skill_per_trajectory else None
         for step in trajectory["steps"]:
             rows["prompts"].append(step["prompt_ids"])
             rows["responses"].append(step["response_ids"])
-            # a prompt cut to --max-prompt-tokens lost its task line: no teacher context that matches it
+            rows["sampled_logp"].append(step["sampled_logp"])
+            # a prompt cut to --max-prompt-tokens lost its task line: no teacher context that matches it; the
+            # teacher sees the same screenshot (if any) with the skill in its text
             no_teacher = skill is None or step.get("truncated", False)
-            rows["teacher_prompts"].append(None if no_teacher else skills.with_skill(step["prompt"], skill))
+            rows["teacher_prompts"].append(
+                None if no_teacher else vlm.same_image(step["prompt"], skills.with_skill(step["prompt"], skill)))
             rows["trajectory"].append(index)
     return rows
 
@@ -501,26 +541,29 @@ def skip_reason(prompts, advantages, old_logp=None, teacher_logp=None, ref_logp=
 
 def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, teacher_logp=None, ref_logp=None,
                   has_teacher=None, loss_kwargs=None, temperature=1.0, layout="padded", max_batch_tokens=16384,
-                  grad_clip=1.0, desc="update"):
+                  grad_clip=1.0, desc="update", distributed=False):
     """One optimizer step over all rows with gradient accumulation.
     advantages (B,) per row; old/teacher/ref log-probs (B, R) response-aligned (old None: this forward
     pass's own detached log-probs, exact for one PPO epoch on unchanged weights); has_teacher (B,) bool marks
     the rows whose trajectory got a skill (the others get no distillation term). Micro-batch losses are weighted so the
     sum equals the full-batch loss: token-mean by the micro-batch's share of valid tokens, seq-mean-* by
-    its share of rows. Returns (metrics, skipped_reason or None)."""
-    reason = skip_reason(prompts, advantages, old_logp, teacher_logp, ref_logp)
-    if reason:
-        return {}, reason
+    its share of rows. distributed (torchrun): the rows are this rank's share; the weights use the token (row)
+    count of all ranks and the gradients and metrics are summed over ranks (all_reduce_update), so every rank
+    takes the single-process step of the whole batch. Returns (metrics, skipped_reason or None)."""
     loss_kwargs = dict(loss_kwargs or {})
     model = policy.model
     model.train()
     mask = response_mask(responses)                                                 # (B, R)
     aggregation = loss_kwargs.get("agg", "token-mean")
     total = mask.sum() if aggregation == "token-mean" else (mask.sum(1) > 0).sum()
-    totals, skipped = {}, None
+    totals, skipped = {}, skip_reason(prompts, advantages, old_logp, teacher_logp, ref_logp)
     optimizer.zero_grad(set_to_none=True)
     device = policy.device
-    for rows in tqdm(micro_batches(prompts, responses, max_batch_tokens), desc=desc, leave=False):
+    if distributed:  # normalise by the whole batch: the tokens (rows) of every rank
+        total = total.to(device)
+        torch.distributed.all_reduce(total)
+    # a skip still reaches all_reduce_update below, so every torchrun rank skips together
+    for rows in [] if skipped else tqdm(micro_batches(prompts, responses, max_batch_tokens), desc=desc, leave=False):
         width = max(1, max(len(responses[i]) for i in rows))
         pick = lambda x: None if x is None else x[rows, :width].to(device)
         micro_mask = mask[rows, :width].to(device)                                  # (b, r)
@@ -540,6 +583,8 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
         (loss * weight).backward()
         for key, value in metrics.items():
             totals[key] = totals.get(key, 0.0) + value * float(weight)
+    if distributed:
+        skipped = all_reduce_update(model, totals, skipped, device)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) if skipped is None else None
     if skipped is None and not torch.isfinite(grad_norm):
         skipped = f"non-finite gradient norm {grad_norm.item()}"
@@ -548,6 +593,58 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
         totals["grad_norm"] = float(grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return totals, skipped
+
+
+def padded_logprobs(rows):
+    """Per-token log-prob lists -> (B, R) tensor, zeros past each row's end (the response mask's layout)."""
+    width = max([1] + [len(row) for row in rows])
+    return torch.tensor([row + [0.0] * (width - len(row)) for row in rows], dtype=torch.float32).reshape(-1, width)
+
+
+def ppo_update(policy, optimizer, rows, advantages, teacher_logp=None, ref_logp=None, has_teacher=None,
+               mini_batches=1, generator=None, **update_kwargs):
+    """PPO over one rollout batch: the rows are shuffled into `mini_batches` parts and each part is one
+    optimizer step (policy_update), as verl's ppo_mini_batch_size does. One part: old = the update's own
+    detached log-probs (same weights). Several: later parts run on moved weights, so the ratio needs the
+    behaviour policy's log-probs, which sampling recorded (rows['sampled_logp']). Returns (metrics averaged
+    over the parts, skipped reasons joined or None)."""
+    count = len(rows["prompts"])
+    # tensor_split gives exactly that many parts (chunk can give fewer: 6 rows in 4 chunks are 3 of 2), so
+    # the steps are the ones asked for and torchrun ranks with different row counts take the same number
+    parts = torch.randperm(count, generator=generator).tensor_split(max(1, min(mini_batches, count))) \
+        if mini_batches > 1 else [torch.arange(count)]
+    old_logp = padded_logprobs(rows["sampled_logp"]) if mini_batches > 1 else None  # (B, R)
+    pick = lambda x, part: None if x is None else x[part]
+    totals, reasons = {}, []
+    for part in parts:
+        indices = part.tolist()
+        metrics, skipped = policy_update(
+            policy, optimizer, [rows["prompts"][i] for i in indices], [rows["responses"][i] for i in indices],
+            advantages[part], pick(old_logp, part), pick(teacher_logp, part), pick(ref_logp, part),
+            pick(has_teacher, part), **update_kwargs)
+        reasons += [skipped] if skipped else []
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + value / len(parts)
+    return totals, ("; ".join(reasons) or None)
+
+
+def all_reduce_update(model, totals, skipped, device):
+    """torchrun: sum the gradients and the metric totals over ranks (each rank's are already weighted by its
+    share of the whole batch, so the sums are the whole batch's); a skip on any rank skips the step on all.
+    Returns the skip reason. An explicit all_reduce rather than DistributedDataParallel: DDP averages over
+    ranks, which weighs a token of a short share more than a token of a long one."""
+    import torch.distributed as dist
+    flag = torch.tensor([float(skipped is not None)], device=device)
+    dist.all_reduce(flag)
+    if flag.item() > 0:
+        return skipped or "skipped on another rank"
+    for parameter in model.parameters():
+        if parameter.grad is not None:  # the same parameters on every rank: all ran a backward pass
+            dist.all_reduce(parameter.grad)
+    values = torch.tensor([totals[key] for key in sorted(totals)], dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    totals.update(zip(sorted(totals), values.tolist()))
+    return None
 
 
 def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0, prompt_weight=0.0):

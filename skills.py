@@ -455,9 +455,47 @@ def annotate(trajectory, gt=None, rng=None):
     if rng is None:
         key = json.dumps([trajectory.get("task"), [step.get("action") for step in trajectory.get("steps") or []]])
         rng = random.Random(zlib.crc32(key.encode("utf-8", "replace")))
+    if gt.get("env") in ("vision", "miniwob"):
+        summary, skill = (_vision_annotation if gt["env"] == "vision" else _miniwob_annotation)(trajectory, gt, rng)
+        return json.dumps({"episode_summary": summary, "episode_skill": skill}, ensure_ascii=False)
     facts = _facts(trajectory, gt)
     summary, skill = (_success if facts["won"] else _failure)(facts, rng)
     return json.dumps({"episode_summary": summary, "episode_skill": skill}, ensure_ascii=False)
+
+
+def _vision_annotation(trajectory, gt, rng):
+    """Screenshot click tasks (envs_vision gt): where the targets were, and for a failure the wrong click."""
+    look = lambda cell: " ".join(gt["items"].get(cell, gt["items"].get(str(cell), ["empty", "cell"])))
+    targets = " then ".join(f"the {look(c)} in cell {c}" for c in gt["targets"])
+    clicks = [f"cell {c}" for c, _ in gt["clicked"]] or ["nothing"]
+    if gt["won"]:
+        summary = f"The agent solved '{gt['task']}' by clicking {', '.join(clicks)}."
+        return summary, rng.choice([f"Find the target in the screenshot and click its cell: {targets}.",
+                                    f"The task wanted {targets}; read colour and shape, then click that cell."])
+    mistake = gt.get("mistake")
+    if mistake:
+        wrong = f"cell {mistake['cell']} held a {' '.join(mistake['item'])}"
+        summary = f"The agent failed '{gt['task']}': it clicked cell {mistake['cell']}, a {' '.join(mistake['item'])}."
+        return summary, rng.choice([f"Check colour and shape before clicking: {wrong}, but the task wanted {targets}.",
+                                    f"Mistake: {wrong}. Click {targets}."])
+    what = "invalid actions" if gt.get("invalid_steps") else "empty cells"
+    summary = f"The agent failed '{gt['task']}': it used its steps on {what} ({', '.join(clicks)})."
+    return summary, rng.choice([f"Answer 'click N' with the cell of the target: {targets}.",
+                                f"Do not waste steps on {what}; the task wanted {targets}."])
+
+
+def _miniwob_annotation(trajectory, gt, rng):
+    """MiniWoB (envs_miniwob gt): the actions that worked, or the scripted solution the failure missed."""
+    done = "; ".join(gt.get("actions") or []) or "nothing"
+    plan = "; ".join(gt.get("expert_plan") or [])
+    if gt["won"]:
+        return (f"The agent solved '{gt['task']}' with: {done}.",
+                rng.choice([f"Read the task and act on the element it names: {done}.", f"Workflow: {done}."]))
+    summary = f"The agent failed '{gt['task']}' (score {gt.get('score', 0):g}) after: {done}."
+    if plan:
+        return summary, rng.choice([f"The solution was: {plan}. Act on the elements the task names.",
+                                    f"Mistake: {done} did not solve it; do {plan}."])
+    return summary, f"Read the task again and act on the element it names; {done} did not solve it."
 
 
 # ----------------------------------------------------------------------------------------- stage-1 files, token view

@@ -1787,6 +1787,43 @@ def test_rescore_without_student_pass_gives_the_same_update(tiny, trajectories):
     assert diff < 1e-6 and metric_diff < 1e-5, f"weights {diff}, metrics {metric_diff}"
 
 
+
+def test_ppo_mini_batches(tiny, trajectories):
+    """ppo_update: one part equals policy_update on all rows; two parts are two optimizer steps on a random
+    split, the first with ratio 1 (the sampling log-probs are the current weights'), the second with the
+    behaviour log-probs of the moved weights (ratio != 1, ppo_kl > 0) and each part's teacher rows."""
+    rows = seed.step_rows(trajectories, [SKILL, None, SKILL, None])
+    _, teacher, _, has_teacher = seed.rescore(tiny[0], rows, need_old=False)
+    advantages = torch.randn(len(rows["prompts"]), generator=torch.Generator().manual_seed(5))  # (B,)
+    kwargs = dict(loss_kwargs=dict(distill_coef=0.1))
+    one, reference = fresh(tiny[0]), fresh(tiny[0])
+    seed.ppo_update(one, torch.optim.SGD(one.model.parameters(), lr=0.5), rows, advantages, teacher, None,
+                    has_teacher, mini_batches=1, **kwargs)
+    seed.policy_update(reference, torch.optim.SGD(reference.model.parameters(), lr=0.5), rows["prompts"],
+                       rows["responses"], advantages, None, teacher, None, has_teacher, dict(distill_coef=0.1))
+    diff = max(max_diff(a, b) for a, b in zip(one.model.parameters(), reference.model.parameters()))
+    assert diff < 1e-7, f"one mini-batch differs from policy_update: {diff}"
+
+    two, by_hand = fresh(tiny[0]), fresh(tiny[0])
+    metrics, skipped = seed.ppo_update(two, torch.optim.SGD(two.model.parameters(), lr=0.5), rows, advantages,
+                                       teacher, None, has_teacher, mini_batches=2,
+                                       generator=torch.Generator().manual_seed(6), **kwargs)
+    assert skipped is None and finite(metrics), (skipped, metrics)
+    parts = torch.randperm(len(rows["prompts"]), generator=torch.Generator().manual_seed(6)).chunk(2)
+    behaviour = seed.padded_logprobs(rows["sampled_logp"])  # (B, R)
+    optimizer, kls = torch.optim.SGD(by_hand.model.parameters(), lr=0.5), []
+    for part in parts:
+        part_metrics, _ = seed.policy_update(
+            by_hand, optimizer, [rows["prompts"][i] for i in part], [rows["responses"][i] for i in part],
+            advantages[part], behaviour[part], teacher[part], None, has_teacher[part], dict(distill_coef=0.1))
+        kls.append(part_metrics["ppo_kl"])
+    diff = max(max_diff(a, b) for a, b in zip(two.model.parameters(), by_hand.model.parameters()))
+    print(f"\nppo_update(2 parts) vs two policy_update calls: max weight diff {diff:.2e}; ppo_kl per part {kls}")
+    assert diff < 1e-7, f"two mini-batches differ from two policy_update steps: {diff}"
+    assert abs(kls[0]) < 1e-4 < abs(kls[1]), f"expected ratio 1 then a moved policy, ppo_kl {kls}"
+    assert abs(metrics["ppo_kl"] - sum(kls) / 2) < 1e-6, (metrics["ppo_kl"], kls)
+
+
 # ----------------------------------------------------------------------------- sampling
 
 def test_sample_greedy_stop_and_logprobs(tiny, trajectories):
@@ -2075,6 +2112,523 @@ def test_delta_picture_shows_the_trajectory_tokens(tmp_path, monkeypatch):
     path = experiment.picture(str(out))
     page = open(path).read()
     assert SKILL in page and page.count("<span") >= 3, page[:500]
+
+
+# =============================================================================
+# distributed and TRL: torchrun data parallelism, and seed_loss against TRL's GRPO loss
+# =============================================================================
+
+# Run by each torchrun rank: train.main as launched, recording what the rank rolled out, the gradient it steps
+# with and the weights it ends with. The analysis is stubbed with a fixed skill on every other trajectory (a
+# random model writes none that parse), so the teacher re-scoring and the distillation term are exercised. Rank
+# 1's trajectories lose their last step: the ranks then hold 3:2 token counts (the random model's responses all
+# run to the token limit), and a per-rank token mean would weigh rank 1's tokens 1.5 times too much.
+DDP_DRIVER = '''
+import os, sys, torch
+import seed, train
+SKILL = sys.argv[1]
+record = {}
+rollout, policy_update = seed.rollout, seed.policy_update
+
+def recording_rollout(*args, **kwargs):
+    trajectories = rollout(*args, **kwargs)
+    if kwargs.get("desc", "rollout") == "rollout":  # not an evaluation
+        for trajectory in trajectories:
+            trajectory["steps"] = trajectory["steps"][:len(trajectory["steps"]) - int(os.environ["RANK"])]
+        record["trajectories"] = trajectories
+    return trajectories
+
+def stub_analyze(policy, trajectories, *args, **kwargs):
+    record["skills"] = [SKILL if i % 2 == 0 else None for i in range(len(trajectories))]
+    return record["skills"], ["stub"] * len(trajectories)
+
+def recording_update(policy, optimizer, *args, **kwargs):
+    record["policy"] = policy
+    grads = lambda *_: record.update(grads=[p.grad.clone() for p in policy.model.parameters()])
+    optimizer.register_step_pre_hook(grads)  # the summed, clipped gradient the rank steps with
+    return policy_update(policy, optimizer, *args, **kwargs)
+
+seed.rollout, seed.analyze, seed.policy_update = recording_rollout, stub_analyze, recording_update
+config = train.get_config(sys.argv[2:])
+train.main(config)
+torch.save({"trajectories": record["trajectories"], "skills": record["skills"], "grads": record["grads"],
+            "weights": record["policy"].model.state_dict()},
+           os.path.join(config.out_dir, f"rank{os.environ['RANK']}.pt"))
+'''
+
+
+def test_two_rank_update_equals_one_process(tiny, tmp_path):
+    """torchrun, 2 CPU ranks (gloo), one update of 2 tasks (one per rank): every rank ends with the same weights,
+    rank 0 alone writes the log and the checkpoint, and the weights equal one process's update on the union of
+    the ranks' rollouts. The union is taken from what the ranks recorded: one process sampling both tasks in one
+    batch draws other random numbers, so its rollouts could not be the same ones."""
+    out = tmp_path / "ddp"
+    (tmp_path / "ddp_driver.py").write_text(DDP_DRIVER)
+    flags = ["--model", tiny[1], "--stage", "rl", "--updates", 1, "--tasks-per-update", 2, "--group-size", 2,
+             "--max-steps", 3, "--max-new-tokens", 8, "--eval-tasks", 3, "--lr", 1e-3, "--distill-mode", "loss",
+             "--distill-coef", 0.5, "--entropy-coef", 0.01, "--out-dir", out]
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(tmp_path / "ddp_driver.py"), SKILL, *map(str, flags)], capture_output=True, text=True,
+                            timeout=300, env=SUBPROCESS_ENV, cwd=tmp_path)
+    seconds = time.perf_counter() - start
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    rank_diff = max(max_diff(ranks[0]["weights"][k], ranks[1]["weights"][k]) for k in ranks[0]["weights"])
+    (record,) = read_lines(out / "metrics.jsonl")  # one line: rank 1 wrote none
+    evals = read_lines(out / "eval.jsonl")
+    assert [e["split"] for e in evals] == ["valid_seen", "valid_unseen"] * 2, evals
+    assert all(sum(e["per_type"].values()) >= 0 and len(e["per_type"]) >= 1 for e in evals), evals
+
+    # one process: the same update on the union of both ranks' rollouts (rank 1's task is group 1)
+    cfg = train.get_config([str(f) for f in flags])
+    trajectories = ranks[0]["trajectories"] + [dict(t, group=t["group"] + 1) for t in ranks[1]["trajectories"]]
+    skill_list = ranks[0]["skills"] + ranks[1]["skills"]
+
+    def one_process_update(max_batch_tokens):
+        """(gradient stepped with, metrics, weights after) of train.py's update phases in one process."""
+        policy = seed.load_policy(tiny[1], "cpu", "float32")
+        rows = seed.step_rows(trajectories, skill_list)
+        _, teacher, _, has_teacher = seed.rescore(policy, rows, need_old=False)
+        advantages = seed.trajectory_advantages(trajectories)[rows["trajectory"]]  # (B,)
+        optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        grads = []
+        optimizer.register_step_pre_hook(lambda *_: grads.extend(p.grad.clone() for p in policy.model.parameters()))
+        metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages,
+                                              None, teacher, None, has_teacher,
+                                              dict(distill_coef=cfg.distill_coef, distill_mode=cfg.distill_mode,
+                                                   entropy_coef=cfg.entropy_coef), max_batch_tokens=max_batch_tokens)
+        assert skipped is None, skipped
+        return grads, metrics, list(policy.model.parameters())
+
+    grads, metrics, weights = one_process_update(cfg.max_batch_tokens)
+    row_by_row, _, _ = one_process_update(1)  # the float noise of another batch layout, for scale
+    saved, _ = final_weights(str(out))
+    grad_max = max(g.abs().max().item() for g in grads)
+    grad_diff = max(max_diff(a, b) for a, b in zip(grads, ranks[0]["grads"])) / grad_max
+    layout_noise = max(max_diff(a, b) for a, b in zip(grads, row_by_row)) / grad_max
+    weight_diff = max(max_diff(a, b) for a, b in zip(weights, saved.parameters()))
+    moved = weight_change(snapshot(seed.load_policy(tiny[1]).model), saved)
+    metric_diff = max(abs(metrics[k] - record[k]) for k in metrics)
+    tokens = [sum(len(s["response_ids"]) for t in r["trajectories"] for s in t["steps"]) for r in ranks]
+    print(f"\ntorchrun 2 ranks (gloo), one update: {seconds:.1f}s; response tokens per rank {tokens}; rank 0 vs "
+          f"rank 1: max weight diff {rank_diff:.2e}; 2 ranks vs 1 process: gradient max diff {grad_diff:.2e} of its "
+          f"largest entry (1 process, micro-batches of one row vs one batch: {layout_noise:.2e}), weights after "
+          f"AdamW {weight_diff:.2e} (moved up to {moved:.2e}), loss metrics {metric_diff:.2e}")
+    assert rank_diff == 0.0, f"the ranks hold different weights: max diff {rank_diff}"
+    assert record["skipped"] is None and record["rows"] == sum(len(t["steps"]) for t in trajectories), record
+    assert record["teacher_token_share"] > 0 and tokens[0] != tokens[1], (record, tokens)
+    assert moved > 1e-4, f"the update barely moved the weights ({moved}): the comparison would prove nothing"
+    assert grad_diff < 1e-4, f"2 ranks step with another gradient than 1 process: max diff {grad_diff} (relative)"
+    # AdamW's first step is lr * g / (|g| + eps) per entry, so an entry whose gradient is at the float-noise
+    # floor can move by a fraction of lr either way: weights are held to a fraction of lr, the gradient above
+    assert weight_diff < 0.1 * cfg.lr, f"2 ranks differ from 1 process: max weight diff {weight_diff}"
+    assert metric_diff < 1e-5, f"loss metrics differ: {metric_diff}"
+
+
+def test_tasks_per_update_must_divide_by_ranks(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit):
+        train.get_config(["--tasks-per-update", "8"])
+    assert "must divide by the 3 torchrun processes" in capsys.readouterr().err
+
+
+needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                               reason="trl is not installed (pip install trl; .ci/run installs it)")
+TRL_COMPLETION = 6  # max_completion_length: dr_grpo divides by it
+# TRL loss_type -> (seed_loss aggregation, divisor): with one micro-batch and one process, "dapo" normalises
+# by num_items_in_batch (all tokens) and "dr_grpo" by rows x max_completion_length
+TRL_AGGREGATION = {"grpo": ("seq-mean-token-mean", 1), "bnpo": ("token-mean", 1),
+                   "dr_grpo": ("seq-mean-token-sum", TRL_COMPLETION), "dapo": ("token-mean", 1)}
+TRL_PROMPTS = ["You are an expert agent. Your task is to: put a clean apple in fridge.\nNow it's your turn.",
+               "You are an expert agent. Your task is to: find a lamp and examine the book.\nNow it's your turn."]
+
+
+def trl_trainer(folder, tmp_path, trainer_class=None, trainer_kwargs=None, **config):
+    """A real GRPOTrainer (or subclass) on the tiny model folder, CPU, 4 completions per step (2 per prompt)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, report_to="none", save_strategy="no",
+                      per_device_train_batch_size=4, num_generations=2, max_completion_length=TRL_COMPLETION,
+                      temperature=0.7, epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=False,
+                      logging_steps=1, seed=0, **config)
+    reward = lambda completions, **kwargs: [float(len(c) % 5) for c in completions]  # differs within a group
+    trainer = (trainer_class or GRPOTrainer)(
+        model=folder, reward_funcs=reward, args=args, processing_class=AutoTokenizer.from_pretrained(folder),
+        train_dataset=Dataset.from_dict({"prompt": TRL_PROMPTS * 2}), **(trainer_kwargs or {}))
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop, which these calls skip
+    return trainer
+
+
+def trl_batch(trainer, seed_value=0):
+    """The dict TRL's _compute_loss reads: 4 rows, equal-length prompts, completions of 6, 3, 5 and 1 tokens,
+    old log-probs 0.3 x N(0, 1) off the current ones (ratios about 0.5 to 2: both clips and the unclipped
+    region), reference log-probs 0.2 x N(0, 1) off, advantages of both signs."""
+    generator = torch.Generator().manual_seed(seed_value)
+    vocab, pad = trainer.model.config.vocab_size, trainer.processing_class.pad_token_id
+    prompt_ids = torch.randint(3, vocab, (4, 7), generator=generator)                          # (B, P)
+    mask = (torch.arange(TRL_COMPLETION)[None, :] < torch.tensor([6, 3, 5, 1])[:, None]).long()  # (B, C)
+    completion_ids = torch.where(mask.bool(), torch.randint(3, vocab, mask.shape, generator=generator), pad)
+    batch = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
+             "completion_mask": mask, "advantages": torch.tensor([1.0, -0.7, 0.4, -1.3]),
+             "num_items_in_batch": mask.sum()}
+    with torch.no_grad():
+        logp = trl_logprobs(trainer, trainer.model, batch)
+    batch["old_per_token_logps"] = logp + 0.3 * torch.randn(logp.shape, generator=generator)
+    batch["ref_per_token_logps"] = logp + 0.2 * torch.randn(logp.shape, generator=generator)
+    return batch
+
+
+def trl_logprobs(trainer, model, batch):
+    """Per-token log-probs of the completions through TRL's own forward (its fused LM head, its temperature)."""
+    logp, _, _ = trainer._get_per_token_logps_and_entropies(
+        model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+        torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), TRL_COMPLETION)
+    return logp
+
+
+def loss_and_gradient(model, compute):
+    """(loss value, parameter gradients) of compute(), leaving the gradients cleared."""
+    model.zero_grad(set_to_none=True)
+    value = compute()
+    value.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return value.item(), grads
+
+
+@needs_trl
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", sorted(TRL_AGGREGATION))
+def test_seed_loss_reproduces_trl_grpo_loss(tiny, tmp_path, loss_type, beta):
+    """TRL's own GRPOTrainer._compute_loss against seed_loss with the distillation off (a teacher is passed,
+    distill_coef 0) on the same tensors: the same loss and the same parameter gradients."""
+    import trl
+    trainer = trl_trainer(tiny[1], tmp_path, loss_type=loss_type, beta=beta)
+    model = trainer.model.train()
+    batch = trl_batch(trainer)
+    trl_loss, trl_grads = loss_and_gradient(model, lambda: trainer._compute_loss(model, batch))
+    agg, divisor = TRL_AGGREGATION[loss_type]
+    metrics = {}
+
+    def ours():
+        logp = trl_logprobs(trainer, model, batch)
+        loss, metrics_ = seed_loss(logp, batch["old_per_token_logps"], batch["advantages"], batch["completion_mask"],
+                                   teacher_logp=logp.detach() + 1.0, distill_coef=0.0,
+                                   ref_logp=batch["ref_per_token_logps"], kl_coef=beta, clip_low=0.2, clip_high=0.28,
+                                   dual_clip=None, agg=agg)
+        metrics.update(metrics_)
+        return loss / divisor
+
+    seed_value, seed_grads = loss_and_gradient(model, ours)
+    loss_diff = abs(trl_loss - seed_value)
+    grad_diff = max(max_diff(a, b) for a, b in zip(trl_grads, seed_grads))
+    grad_max = max(g.abs().max().item() for g in trl_grads)
+    print(f"\nTRL {trl.__version__} loss_type={loss_type} beta={beta}: loss {trl_loss:+.6f} vs seed_loss "
+          f"{seed_value:+.6f} (diff {loss_diff:.2e}); gradient max diff {grad_diff:.2e} (largest entry {grad_max:.2e})")
+    assert metrics["pg_clipfrac"] > 0 and metrics["delta_abs_mean"] > 0, metrics  # clipping and a teacher in play
+    assert grad_max > 1e-4, "a vanishing gradient would make the comparison empty"
+    assert loss_diff < 1e-6, f"loss {seed_value} vs TRL {trl_loss}"
+    assert grad_diff < 1e-6 * max(1.0, grad_max), f"gradient max diff {grad_diff}"
+
+
+def readme_trl_code():
+    with open(os.path.join(REPO, "README.md")) as handle:
+        text = handle.read()
+    section = text[text.index("## seed_loss inside other trainers"):]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@needs_trl
+def test_readme_trl_subclass_trains(tiny, tmp_path):
+    """The README's SeedGRPOTrainer, executed as written: with distill_coef 0 its loss and gradient are TRL's
+    own (bnpo, KL on); then one real GRPOTrainer.train() step (TRL generates, rewards, and the subclass's
+    teacher pass scores the completions under the skill) logs a teacher signal and moves the weights."""
+    from trl import GRPOTrainer
+    namespace = {}
+    exec(compile(readme_trl_code(), "README.md", "exec"), namespace)
+    skill_fn = lambda prompt, completion: SKILL if "apple" in prompt else None
+    trainer = trl_trainer(tiny[1], tmp_path, namespace["SeedGRPOTrainer"], dict(skill_fn=skill_fn, distill_coef=0.0),
+                          loss_type="bnpo", beta=0.04)
+    model = trainer.model.train()
+    batch = trl_batch(trainer)
+    batch.update(teacher_per_token_logps=batch["old_per_token_logps"] + 1.0, teacher_mask=batch["completion_mask"])
+    theirs, trl_grads = loss_and_gradient(model, lambda: GRPOTrainer._compute_loss(trainer, model, batch))
+    ours, seed_grads = loss_and_gradient(model, lambda: trainer._compute_loss(model, batch))
+    grad_diff = max(max_diff(a, b) for a, b in zip(trl_grads, seed_grads))
+    assert abs(theirs - ours) < 1e-6 and grad_diff < 1e-6, (theirs, ours, grad_diff)
+
+    trainer = trl_trainer(tiny[1], tmp_path, namespace["SeedGRPOTrainer"], dict(skill_fn=skill_fn, distill_coef=1.0),
+                          max_steps=1)
+    before = snapshot(trainer.model)
+    trainer.train()
+    logged = {k: v for line in trainer.state.log_history for k, v in line.items()}
+    moved = weight_change(before, trainer.model)
+    print(f"\nREADME SeedGRPOTrainer: distill off vs TRL bnpo: loss diff {abs(theirs - ours):.2e}, gradient "
+          f"{grad_diff:.2e}; one train step: teacher share {logged['seed/teacher_token_share']:.2f}, |delta| "
+          f"{logged['seed/delta_abs_mean']:.3f}, weights moved {moved:.2e}")
+    assert 0 < logged["seed/teacher_token_share"] < 1 and logged["seed/delta_abs_mean"] > 0, logged
+    assert moved > 0, "one SeedGRPOTrainer step left the weights unchanged"
+
+
+# =============================================================================
+# vision: the embedded screenshot env, the MiniWoB++ adapter, the VLM policy path
+# =============================================================================
+
+import collections
+
+import envs_miniwob
+import envs_vision
+import vlm
+
+
+def test_vision_env_contract_splits_and_expert():
+    """obs is {"text", "image"}; the expert (reading only the pixels) wins every task of every split; unseen
+    targets are held-out (colour, shape) pairs that train never targets; junk answers "Nothing happens."."""
+    for split in SPLITS:
+        env = make_env("vision", split, 0)
+        types = collections.Counter()
+        for task_seed in range(60):
+            obs, info = env.reset(task_seed)
+            assert obs["image"].shape == (112, 112, 3) and obs["image"].dtype.name == "uint8"
+            assert envs_vision.read_screen(obs["image"]) == env.items
+            assert info["admissible"] == list(envs_vision.ACTIONS) and info["task"]
+            first = env.items[env.targets[0]]
+            assert envs_vision.is_held_out(*first) == (split == "valid_unseen"), (split, first)
+            done = False
+            while not done:
+                obs, reward, done, info = env.step(env.expert_action())
+            assert info["won"] and reward == 10.0 and info["gt"]["targets"], info
+            types[info["task_type"]] += 1
+        assert set(types) == set(envs_vision.TASK_TYPES), types
+    obs, info = env.reset(0)
+    for junk in ("", "click 0", "click 17", "go north", None, "click 1 2"):
+        obs, reward, done, info = env.step(junk)
+        assert obs["text"] == "Nothing happens." and not info["valid"] and reward == 0.0
+    assert done and info["gt"]["invalid_steps"] == [0, 1, 2, 3, 4, 5] and not info["won"]  # max_steps 6
+    env.reset(1)
+    env.step(f"click {next(c for c in range(1, 17) if c - 1 not in env.items)}")  # an empty cell: valid, no change
+    assert not env.done
+
+
+def test_vision_env_needs_the_pixels():
+    """The best text-only policy -- per (task text, observation text, step), the action that most often was a
+    right first click on 1500 training episodes -- does no better than random clicking on 300 held-out episodes, while the
+    pixel-reading expert solves all of them: the answer is in the screenshot, not in the text."""
+    votes = collections.defaultdict(collections.Counter)
+    env = make_env("vision", "train", 0)
+    for task_seed in range(1500):
+        obs, info = env.reset(task_seed)
+        votes[(info["task"], obs["text"], 0)][f"click {env.targets[0] + 1}"] += 1  # a right first click
+    answers_per_text = max(len(counter) for counter in votes.values())
+    assert answers_per_text >= 12, answers_per_text  # one instruction, a dozen different right answers
+
+    def play(policy, split):
+        env, wins = make_env("vision", split, 0), 0
+        for task_seed in range(300):
+            obs, info = env.reset(task_seed)
+            done, step, rng = False, 0, random.Random(task_seed)
+            while not done:
+                obs, _, done, info = env.step(policy(env, info, obs, step, rng))
+                step += 1
+            wins += info["won"]
+        return wins / 300
+
+    def text_only(env, info, obs, step, rng):
+        counter = votes.get((info["task"], obs["text"], step))
+        return counter.most_common(1)[0][0] if counter else rng.choice(envs_vision.ACTIONS)
+
+    text = play(text_only, "valid_seen")
+    chance = play(lambda env, info, obs, step, rng: rng.choice(envs_vision.ACTIONS), "valid_seen")
+    pixels = play(lambda env, info, obs, step, rng: env.expert_action(), "valid_seen")
+    assert text <= chance + 0.04 and pixels == 1.0, (text, chance, pixels)
+
+
+def test_vision_annotations_name_the_target_cells():
+    env = make_env("vision", "train", 0)
+    for epsilon in (0.0, 1.0):
+        obs, info = env.reset(3)
+        trajectory, done, rng = {"task": info["task"], "steps": []}, False, random.Random(0)
+        while not done:
+            action = env.expert_action(epsilon, rng)
+            obs, _, done, info = env.step(action)
+            trajectory["steps"].append({"action": action, "observation": obs["text"]})
+        skill = parse_skill(annotate(trajectory, info["gt"]), task=info["task"])
+        assert skill and f"cell {info['gt']['targets'][0]}" in skill, (epsilon, skill, info["gt"])
+
+
+# ----------------------------------------------------------------------------- the VLM path
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory):
+    """A random tiny Qwen2-VL with a tokenizer trained on vision-env prompts (weights are never trained here)."""
+    env, corpus = make_env("vision", "train", 0), []
+    for task_seed in range(40):
+        obs, info = env.reset(task_seed)
+        corpus.append(seed.render_prompt(info["task"], [], obs["text"], info["admissible"], env_name="vision")
+                      + "<think>find it</think><action>click 3</action>")
+    corpus += [skills.analyzer_prompt({"task": "Click the red shape.", "steps": []})]
+    return vlm.build_tiny_vlm(corpus, str(tmp_path_factory.mktemp("tiny_vlm")), seed=0)
+
+
+def vision_prompts(policy, n, skill=None):
+    env, prompts = make_env("vision", "train", 0), []
+    for task_seed in range(n):
+        obs, info = env.reset(task_seed)
+        history = [("The screenshot shows a grid.", "click 2")] * (task_seed % 3)  # different prompt lengths
+        text = vlm.user_message(seed.render_prompt(info["task"], history, obs["text"], info["admissible"],
+                                                   env_name="vision"), obs)
+        prompts.append(vlm.same_image(text, with_skill(text, skill)) if skill else text)
+    return prompts
+
+
+def test_vlm_prompt_carries_the_image_and_rescoring_matches_sampling(tiny_vlm):
+    """Image prompts hold grid_t*grid_h*grid_w/4 image tokens; the sampler's log-probs equal a padded re-score of
+    the same tokens, in a batch and row by row (left padding and M-RoPE positions are exact)."""
+    texts = vision_prompts(tiny_vlm, 5)
+    prompts = [seed.encode_chat(tiny_vlm.tokenizer, t) for t in texts]
+    image_id = tiny_vlm.model.config.image_token_id
+    assert all(p.count(image_id) == int(p.grid_thw.prod()) // 4 == 16 for p in prompts)
+    assert len({len(p) for p in prompts}) > 1
+    responses, logps = seed.sample(tiny_vlm, prompts, 10, 1.0, generator=torch.Generator().manual_seed(0))
+    assert not any(set(r) & set(tiny_vlm.banned_ids) for r in responses)
+    batch = seed.response_logprobs(tiny_vlm.model, prompts, responses, tiny_vlm.pad_id)
+    sampled = torch.zeros_like(batch)
+    for row, values in enumerate(logps):
+        sampled[row, :len(values)] = torch.tensor(values)
+    single = torch.cat([torch.nn.functional.pad(seed.response_logprobs(tiny_vlm.model, [p], [r], tiny_vlm.pad_id),
+                                                (0, batch.shape[1] - max(1, len(r))))
+                        for p, r in zip(prompts, responses)])
+    assert max_diff(batch, sampled) < 1e-4 and max_diff(batch, single) < 1e-4, (max_diff(batch, sampled),
+                                                                              max_diff(batch, single))
+    # the pixels matter: the same text with another screenshot scores the same tokens differently
+    other = [seed.encode_chat(tiny_vlm.tokenizer, vlm.ImageText(str(t), texts[(i + 1) % 5].image))
+             for i, t in enumerate(texts)]
+    assert max_diff(seed.response_logprobs(tiny_vlm.model, other, responses, tiny_vlm.pad_id), batch) > 1e-4
+    with pytest.raises(ValueError, match="packed layout does not carry images"):
+        seed.response_logprobs(tiny_vlm.model, prompts, responses, tiny_vlm.pad_id, layout="packed")
+    with pytest.raises(ValueError, match="no image processor"):
+        seed.encode_chat(types.SimpleNamespace(), texts[0])
+
+
+def seed_update(policy, env_list, task_seeds, env_name, max_steps):
+    """One SEED update by hand, as train.py does it: rollout, analyze, re-score (teacher on the same pixels),
+    GRPO advantages, PPO-clip + distillation. Returns (trajectories, rows, teacher, metrics, skipped)."""
+    trajectories = seed.rollout(policy, env_list, task_seeds, 2, max_steps, max_new_tokens=12, env_name=env_name,
+                                generator=torch.Generator().manual_seed(0))
+    skill_list, _ = seed.analyze(policy, trajectories, max_new_tokens=8)
+    skill_list = [s or "Click the cell of the target." for s in skill_list]  # a random model writes no JSON
+    rows = seed.step_rows(trajectories, skill_list)
+    assert all(t.image is seed_prompt.image for t, seed_prompt in
+               zip(rows["teacher_prompts"], [s["prompt"] for t in trajectories for s in t["steps"]]))
+    old, teacher, ref, has_teacher = seed.rescore(policy, rows, need_old=False)
+    advantages = seed.trajectory_advantages(trajectories)[rows["trajectory"]]
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
+    metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages, old,
+                                          teacher, ref, has_teacher, dict(distill_coef=0.1))
+    return trajectories, rows, teacher, metrics, skipped
+
+
+def test_seed_update_with_the_tiny_vlm_on_the_vision_env(tiny_vlm, tmp_path):
+    tiny_vlm.model.save_pretrained(tmp_path)
+    policy = seed.Policy(AutoModelForImageTextToText.from_pretrained(tmp_path), tiny_vlm.tokenizer)
+    before = [p.detach().clone() for p in policy.model.parameters()]
+    env_list = [make_env("vision", "train", i) for i in range(4)]
+    trajectories, rows, teacher, metrics, skipped = seed_update(policy, env_list, [5, 6], "vision", 2)
+    assert skipped is None and math.isfinite(metrics["grad_norm"]), (skipped, metrics)
+    assert all(isinstance(s["observation"], str) for t in trajectories for s in t["steps"])  # analyzer reads text
+    assert "Click" in analyzer_prompt(trajectories[0]) and "image" not in analyzer_prompt(trajectories[0])
+    assert teacher.abs().sum() > 0 and metrics["delta_abs_mean"] > 0, metrics
+    changed = sum(not torch.equal(a, b.detach()) for a, b in zip(before, policy.model.parameters()))
+    assert changed > 10, changed  # the vision tower and the LM both moved
+
+
+def test_supervised_step_with_images(tiny_vlm, tmp_path):
+    """The warm-up's SFT step on (image prompt, completion), with the prompt language-modelling loss."""
+    tiny_vlm.model.save_pretrained(tmp_path)
+    policy = seed.Policy(AutoModelForImageTextToText.from_pretrained(tmp_path), tiny_vlm.tokenizer)
+    examples = [(text, "<think>find it</think><action>click 4</action>") for text in vision_prompts(policy, 4)]
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=3e-3)
+    losses = [seed.supervised_step(policy, optimizer, examples, prompt_weight=0.3) for _ in range(4)]
+    assert losses[-1] < losses[0], losses
+
+
+from transformers import AutoModelForImageTextToText  # noqa: E402  (the vision section's own import)
+
+
+# ----------------------------------------------------------------------------- the real MiniWoB++
+
+def miniwob_missing():
+    try:
+        envs_miniwob._import_miniwob()
+    except (ImportError, RuntimeError) as error:
+        return str(error)
+    return None
+
+
+needs_miniwob = pytest.mark.skipif(miniwob_missing() is not None,
+                                   reason=f"MiniWoB++ unavailable: {miniwob_missing()} (.ci/run installs it)")
+
+
+def test_miniwob_missing_package_or_browser_gives_one_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "miniwob", None)
+    with pytest.raises(ImportError, match="pip install miniwob==1.1.0"):
+        make_env("miniwob", "train", 0)
+    monkeypatch.delitem(sys.modules, "miniwob")
+    if importlib.util.find_spec("miniwob") is not None:
+        monkeypatch.setenv("MINIWOB_CHROME_BINARY", "/nonexistent/chromium")
+        with pytest.raises(RuntimeError, match="apt-get install chromium chromium-driver"):
+            make_env("miniwob", "train", 0)
+
+
+@needs_miniwob
+def test_miniwob_scripted_episodes_reach_positive_reward():
+    """The adapter's text actions (element clicks, typing) solve three real tasks; the clock is raised."""
+    for task in ("click-button", "enter-text", "click-checkboxes"):
+        env = make_env("miniwob", "valid_seen", 0, task=task, elements=True)
+        obs, info = env.reset(7)
+        assert obs["image"].shape == (210, 160, 3) and obs["image"].dtype.name == "uint8" and info["task"]
+        assert "Elements: [" in obs["text"] and info["admissible"][0].startswith("click element")
+        assert env.env.unwrapped.instance.driver.execute_script("return core.EPISODE_MAX_TIME;") == 600000
+        done = False
+        while not done:
+            obs, reward, done, info = env.step(env.expert_action())
+        assert reward > 0 and info["won"] and info["score"] > 0, (task, info)
+
+
+@needs_miniwob
+def test_miniwob_garbage_actions_and_a_dead_browser_do_not_crash():
+    env = make_env("miniwob", "train", 0, task="click-test")
+    obs, info = env.reset(0)
+    assert info["admissible"] == []  # screenshot only: free-form actions
+    for junk in ("", "click element 9999", "click 999 5", "type element 12345 x", "press nokey", "\x00<>{}"):
+        obs, reward, done, info = env.step(junk)
+        assert obs["text"] == "Nothing happens." and not info["valid"] and not done
+    obs, reward, done, info = env.step("click 3 4")  # a real click on empty page space: valid, no reward
+    assert info["valid"] and reward == 0.0
+    driver = env.env.unwrapped.instance.driver.service.process
+    children = subprocess.run(["pgrep", "-P", str(driver.pid)], capture_output=True, text=True).stdout.split()
+    for pid in children:  # the browser processes this test's env started
+        os.kill(int(pid), 9)
+    driver.kill()
+    obs, reward, done, info = env.step(env.expert_action())
+    assert done and info["browser_restarted"] and reward == 0.0
+    obs, info = env.reset(1)
+    done = False
+    while not done:
+        obs, reward, done, info = env.step(env.expert_action())
+    assert info["won"], info
+
+
+@needs_miniwob
+def test_seed_update_with_the_tiny_vlm_on_miniwob(tiny_vlm, tmp_path):
+    tiny_vlm.model.save_pretrained(tmp_path)
+    policy = seed.Policy(AutoModelForImageTextToText.from_pretrained(tmp_path), tiny_vlm.tokenizer)
+    env_list = [make_env("miniwob", "train", i, task="click-test") for i in range(2)]
+    trajectories, rows, teacher, metrics, skipped = seed_update(policy, env_list, [3], "miniwob", 2)
+    assert skipped is None and math.isfinite(metrics["grad_norm"]), (skipped, metrics)
+    assert rows["prompts"][0].grid_thw.tolist() == [1, 16, 12]  # 210x160 -> 224x168: 8x6 merged tokens
 
 
 # ==== reliability ====
@@ -2480,7 +3034,7 @@ class FailingEnv:
     def _maybe_fail(self, method):
         if method == self.fail_on:
             self.calls += 1
-            if self.calls == self.at:
+            if self.calls == self.at and self.mode != "browser":
                 if self.mode == "hang":
                     while True:  # stuck in Python code: only a signal gets it out
                         pass
@@ -2492,14 +3046,20 @@ class FailingEnv:
 
     def step(self, action):
         self._maybe_fail("step")
-        return self.env.step(action)
+        observation, reward, done, info = self.env.step(action)
+        if self.mode == "browser" and self.calls == self.at:  # as envs_miniwob reports a browser it restarted
+            observation, done, info = "The browser stopped; the episode ended.", True, {**info, "browser_restarted": True}
+        return observation, reward, done, info
 
     def close(self):
         self.closed = True
 
 
-@pytest.mark.parametrize("fail_on, mode", [("step", "raise"), ("step", "hang"), ("reset", "raise"), ("reset", "hang")])
+@pytest.mark.parametrize("fail_on, mode", [("step", "raise"), ("step", "hang"), ("reset", "raise"), ("reset", "hang"),
+                                           ("step", "browser")])
 def test_failing_env_is_rebuilt_and_its_trajectory_dropped(tiny, fail_on, mode):
+    """An env that raises or hangs (past --env-timeout) is closed, rebuilt by the factory and its trajectory
+    dropped with the reason; one that lost its browser (MiniWoB restarts it itself) is dropped, not rebuilt."""
     policy, _ = tiny
     built = []
 
@@ -2513,13 +3073,13 @@ def test_failing_env_is_rebuilt_and_its_trajectory_dropped(tiny, fail_on, mode):
                                 env_timeout=0.3, generator=torch.Generator().manual_seed(0))
     dropped = [t.get("dropped") for t in trajectories]
     assert dropped[:2] == [None, None] and dropped[3] is None and dropped[2], dropped
-    assert ("no answer within 0.3 s" if mode == "hang" else "ConnectionError") in dropped[2], dropped[2]
-    assert broken.closed and built == [2] and train_envs[2] is not broken
+    assert {"hang": "no answer within 0.3 s", "raise": "ConnectionError", "browser": "the browser died"}[mode] in dropped[2]
+    assert (broken.closed and built == [2] and train_envs[2] is not broken) if mode != "browser" else built == []
     assert all(len(t["steps"]) >= 1 for i, t in enumerate(trajectories) if i != 2)
     again = seed.rollout(policy, train_envs, [7, 8], 2, 5, max_new_tokens=6, env_factory=factory, env_timeout=0.3,
                          generator=torch.Generator().manual_seed(0))
     assert not any(t.get("dropped") for t in again)  # the rebuilt env plays on
-    print(f"\nenv that {'hangs' if mode == 'hang' else 'raises'} on {fail_on}: dropped with reason {dropped[2]!r}")
+    print(f"\nenv that fails on {fail_on} ({mode}): dropped with reason {dropped[2]!r}")
 
 
 def test_env_failures_in_train_are_logged_and_the_run_goes_on(tiny, tmp_path, monkeypatch, capsys):

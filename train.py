@@ -4,16 +4,27 @@ train.py: the SEED training script -- one flat loop, nanoGPT style.
     python train.py                                   # embedded default: tiny model, household env, CPU
     python train.py --algo grpo                       # the baseline: same loop, no analysis, lambda = 0
     python train.py --env alfworld --model Qwen/Qwen2.5-1.5B-Instruct   # real ALFWorld on a GPU
+    torchrun --standalone --nproc_per_node=4 train.py --env alfworld --model ...   # data parallel, 4 GPUs
+    python train.py --env vision                      # tiny Qwen2-VL on the embedded screenshot env, CPU
+    python train.py --env miniwob --task click-button --model Qwen/Qwen2.5-VL-3B-Instruct   # real MiniWoB++
 
 Stages (--stage): `all` (default) = warm-up of the tiny model when --model tiny, stage 1 (analyzer SFT on
 hindsight skills), stage 2 (RL); `sft` = stage 1 only; `rl` = stage 2 only. Each RL update has the phases
 eval, rollout, analyze, re-score, advantage, loss/backward, log, step, save.
+
+Data parallel (torchrun): each rank rolls out, analyzes and re-scores its share of the update's tasks (a GRPO
+group never leaves its rank), gradients and metrics are summed over ranks with every rank's loss normalised by
+the whole update's token count, so the step equals the single-process step on the same rollouts; evaluation
+is sharded over ranks; rank 0 alone builds the start model, writes logs and checkpoints. NCCL on GPUs, gloo
+on CPU.
 
 Departures from the paper: stage-1 skills come from skills.annotate (a rule-based hindsight annotator
 reading the env's ground truth) or a user's JSONL instead of a strong LLM; the tiny model needs a
 warm-up that a pretrained instruct model does not (warmup.py).
 """
 import argparse
+import contextlib
+import datetime
 import json
 import math
 import os
@@ -36,7 +47,11 @@ def get_config(argv=None):
     add("--stage", default="all", choices=["all", "sft", "rl"], help="all = warm-up (tiny) + stage 1 + stage 2")
     add("--algo", default="seed", choices=["seed", "grpo"], help="seed = GRPO + self-analysis distillation")
     add("--env", default="household",
-        help="household (embedded), alfworld (real engine) or webshop ($WEBSHOP_URL, else the offline mini shop)")
+        help="household (embedded), alfworld (real engine), webshop ($WEBSHOP_URL, else the offline mini shop), "
+             "vision (embedded screenshots, VLM policy) or miniwob (real MiniWoB++ in headless Chromium)")
+    add("--task", default="click-test", help="--env miniwob: the MiniWoB task, e.g. click-button, enter-text")
+    add("--miniwob-elements", action="store_true",
+        help="--env miniwob: list the page's elements in the observation text and as admissible clicks")
     add("--data-dir", default=None, help="ALFWorld data folder (default $ALFWORLD_DATA, else synthetic games)")
     add("--model", default="tiny", help="'tiny' (built offline) or a Hugging Face model name or folder")
     add("--out-dir", default="out", help="checkpoints, metrics.jsonl, eval.jsonl and config.json go here")
@@ -76,6 +91,9 @@ def get_config(argv=None):
         help="loss aggregation")
     # optimisation
     add("--lr", type=float, default=None, help="learning rate (default: 1e-6 for HF models, 2e-4 for tiny)")
+    add("--mini-batches", type=int, default=None,
+        help="optimizer steps per update, each on a random part of the rows (verl's PPO mini-batches; "
+             "default 4 for tiny, 1 for HF models)")
     add("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     add("--grad-clip", type=float, default=1.0, help="max gradient norm")
     add("--layout", default="padded", choices=["padded", "packed"], help="batch layout for scoring/training")
@@ -101,11 +119,18 @@ def get_config(argv=None):
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.group_size < 2:  # both algos: a group of one has GRPO advantage 0, so nothing would be learned
         p.error("--group-size must be at least 2: GRPO needs a group to compare rollouts")
+    world = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
+    if cfg.tasks_per_update % world:
+        p.error(f"--tasks-per-update {cfg.tasks_per_update} must divide by the {world} torchrun processes")
     if cfg.max_steps is not None and cfg.max_steps < 1:
         p.error(f"--max-steps must be at least 1, got {cfg.max_steps}")
     check_config(cfg, p.error)
     if cfg.lr is None:
         cfg.lr = 2e-4 if cfg.model == "tiny" else 1e-6
+    if cfg.mini_batches is None:
+        cfg.mini_batches = 4 if cfg.model == "tiny" else 1
+    if cfg.mini_batches < 1:
+        p.error(f"--mini-batches must be at least 1, got {cfg.mini_batches}")
     if cfg.distill_coef is None:  # tiny: 1e-3 x delta (mean |delta| 0.02) is invisible next to O(1) advantages;
         # measured, 0.1 is still too small to change the result and 1.0 collapses the policy (README experiment)
         cfg.distill_coef = 0.1 if cfg.model == "tiny" else 1e-3
@@ -155,6 +180,8 @@ def check_config(cfg, error):
             error(f"--sft-data {cfg.sft_data}: no such file")
     if cfg.data_dir is not None and cfg.env != "alfworld":
         error(f"--data-dir is for --env alfworld; --env {cfg.env} does not read it")
+    if cfg.miniwob_elements and cfg.env != "miniwob":
+        error(f"--miniwob-elements is for --env miniwob; --env {cfg.env} does not read it")
 
 
 def kill_point(phase, update):
@@ -165,23 +192,32 @@ def kill_point(phase, update):
 
 # ----------------------------------------------------------------------------- evaluation
 
-def evaluate(policy, cfg, split, envs, env_factory=None):
+def evaluate(policy, cfg, split, envs, rank=0, world=1, env_factory=None):
     """Greedy (by default) single rollouts on the first --eval-tasks tasks of a split; success overall
-    (micro over episodes, macro over task types) and per task type; episodes whose env failed are left out."""
-    trajectories = seed.rollout(policy, envs, list(range(cfg.eval_tasks)), 1, cfg.max_steps, cfg.max_new_tokens,
-                                cfg.eval_temperature, cfg.history_window, cfg.invalid_penalty,
+    (micro over episodes, macro over task types) and per task type; episodes whose env failed are left out
+    (counted in 'dropped'). Under torchrun each rank plays every world-th task (envs holds that rank's envs)
+    and the episodes are gathered on every rank."""
+    trajectories = seed.rollout(policy, envs, list(range(rank, cfg.eval_tasks, world)), 1, cfg.max_steps,
+                                cfg.max_new_tokens, cfg.eval_temperature, cfg.history_window, cfg.invalid_penalty,
                                 cfg.max_prompt_tokens, env_name=cfg.env, desc=f"eval {split}",
                                 generator=torch.Generator(policy.device).manual_seed(cfg.seed),
                                 env_factory=env_factory, env_timeout=cfg.env_timeout)
     dropped = report_dropped(trajectories, f"eval {split}")
-    trajectories = [t for t in trajectories if not t.get("dropped")] or [{"won": False, "task_type": None, "steps": []}]
+    episodes = [(t["task_type"], float(t["won"]), len(t["steps"]), sum(not s["valid"] for s in t["steps"]))
+                for t in trajectories if not t.get("dropped")]
+    if world > 1:
+        shares = [None] * world
+        torch.distributed.all_gather_object(shares, (episodes, dropped))
+        episodes = [episode for share, _ in shares for episode in share]
+        dropped = sum(count for _, count in shares)
     per_type = {}
-    for t in trajectories:
-        per_type.setdefault(t["task_type"], []).append(float(t["won"]))
+    for task_type, won, _, _ in episodes:
+        per_type.setdefault(task_type, []).append(won)
     by_type = {k: sum(v) / len(v) for k, v in sorted(per_type.items())}
-    return {"split": split, "micro": sum(t["won"] for t in trajectories) / len(trajectories),
-            "macro": sum(by_type.values()) / len(by_type), "per_type": by_type,
-            "steps": sum(len(t["steps"]) for t in trajectories) / len(trajectories), "dropped": dropped}
+    steps, n = sum(e[2] for e in episodes), max(1, len(episodes))  # n: every env failing gives zeros, not a crash
+    return {"split": split, "micro": sum(e[1] for e in episodes) / n,
+            "macro": sum(by_type.values()) / max(1, len(by_type)), "per_type": by_type,
+            "steps": steps / n, "invalid_share": sum(e[3] for e in episodes) / max(1, steps), "dropped": dropped}
 
 
 def report_dropped(trajectories, where):
@@ -194,9 +230,10 @@ def report_dropped(trajectories, where):
 
 def print_eval_table(rows):
     types = sorted({k for r in rows for k in r["per_type"]})
-    print(f"{'when':>10} {'split':>13} {'micro':>6} {'macro':>6} " + " ".join(f"{t[:12]:>12}" for t in types))
+    print(f"{'when':>10} {'split':>13} {'micro':>6} {'macro':>6} {'invalid':>7} "
+          + " ".join(f"{t[:12]:>12}" for t in types))
     for r in rows:
-        print(f"{r['when']:>10} {r['split']:>13} {r['micro']:6.3f} {r['macro']:6.3f} "
+        print(f"{r['when']:>10} {r['split']:>13} {r['micro']:6.3f} {r['macro']:6.3f} {r.get('invalid_share', 0):7.3f} "
               + " ".join(f"{r['per_type'].get(t, float('nan')):12.3f}" for t in types))
 
 
@@ -300,6 +337,46 @@ def check_context_window(cfg, policy):
                              f"{getattr(cfg, new)} exceed the model's context window of {window} tokens")
 
 
+# ----------------------------------------------------------------------------- data parallel (torchrun)
+
+def init_ddp(cfg):
+    """(rank, world size) of this process under torchrun, after joining the process group and picking the
+    device (cuda:LOCAL_RANK, NCCL, else gloo); (0, 1) when started as a plain `python train.py`."""
+    if "RANK" not in os.environ:
+        return 0, 1
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cfg.device is None or cfg.device == "cuda":
+        cfg.device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    if cfg.device.startswith("cuda"):
+        torch.cuda.set_device(cfg.device)
+    # the others wait at a barrier while rank 0 builds the start model (warm-up, stage 1): allow hours
+    torch.distributed.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo",
+                                         timeout=datetime.timedelta(hours=3))
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+@contextlib.contextmanager
+def rank_zero_first(world, rank):
+    """Rank 0 runs the block first (it writes the shared files: synthetic games, the warm-up, the stage-1
+    model); the other ranks wait, then run it and find the files ready."""
+    if world > 1 and rank > 0:
+        torch.distributed.barrier()
+    try:
+        yield
+    finally:
+        if world > 1 and rank == 0:
+            torch.distributed.barrier()
+
+
+def sum_over_ranks(counts, world, device):
+    """A dict of numbers summed over all ranks (itself when world is 1); device: the policy's (NCCL needs CUDA)."""
+    if world == 1:
+        return counts
+    values = torch.tensor(list(counts.values()), dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(values)
+    return dict(zip(counts, values.tolist()))
+
+
 # ----------------------------------------------------------------------------- main
 
 def start_model(cfg, env_options):
@@ -322,22 +399,28 @@ def start_model(cfg, env_options):
 
 def main(cfg):
     import envs
+    rank, world = init_ddp(cfg)
+    master = rank == 0  # logs, checkpoints and prints come from rank 0 only
     os.makedirs(cfg.out_dir, exist_ok=True)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    env_options = warmup.env_options(cfg)  # resolves ALFWorld data (synthetic games if none) and max steps
-    default_max_steps = env_options.pop("default_max_steps")  # always removed: make_env does not take it
-    cfg.max_steps = cfg.max_steps or default_max_steps
-    print("config:", json.dumps(vars(cfg), indent=1))  # printed and saved with every default resolved
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(vars(cfg), f, indent=1)
-
-    # ---- policy: resume, or warm-up (tiny) / load (HF), then stage 1
-    checkpoint = latest_checkpoint(cfg.out_dir) if cfg.resume else None
-    if cfg.resume and checkpoint is None:
+    with rank_zero_first(world, rank):
+        env_options = warmup.env_options(cfg)  # resolves ALFWorld data (synthetic games if none) and max steps
+        default_max_steps = env_options.pop("default_max_steps")  # always removed: make_env does not take it
+        cfg.max_steps = cfg.max_steps or default_max_steps
+        if master:
+            print("config:", json.dumps(vars(cfg), indent=1))  # printed and saved with every default resolved
+            with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+                json.dump(vars(cfg), f, indent=1)
+        # ---- policy: resume, or warm-up (tiny) / load (HF), then stage 1
+        checkpoint = latest_checkpoint(cfg.out_dir) if cfg.resume else None
+        # (a resumed run with a KL term needs the start model too: the KL's reference)
+        start_path = start_model(cfg, env_options) if not checkpoint or cfg.kl_coef > 0 else None
+    if cfg.resume and checkpoint is None and master:
         print(f"--resume: no checkpoint in {cfg.out_dir}/checkpoints, starting fresh")
     if checkpoint:
-        print(f"resuming from {checkpoint}")
+        if master:
+            print(f"resuming from {checkpoint}")
         state = read_trainer_state(checkpoint)
         if state["update"] > cfg.updates:
             raise ValueError(f"{checkpoint} is at update {state['update']}, past --updates {cfg.updates}")
@@ -347,21 +430,23 @@ def main(cfg):
             raise ValueError(f"checkpoint {checkpoint}: the model does not load ({type(error).__name__}: "
                              f"{(str(error).splitlines() or [''])[0][:200]})") from error
     else:
-        start_path = start_model(cfg, env_options)
         if cfg.stage == "sft":
-            print(f"stage 1 done: the model is in {start_path}")
+            if master:
+                print(f"stage 1 done: the model is in {start_path}")
+            if world > 1:
+                torch.distributed.destroy_process_group()
             return
         policy = seed.load_policy(start_path, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
     check_context_window(cfg, policy)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     reference = None
     if cfg.kl_coef > 0:  # frozen copy of the policy RL started from, for the k3 KL term; a resumed run too
-        # (not its checkpoint, which would reset the KL to 0): start_model finds the cached start again
-        reference = seed.load_policy(start_model(cfg, env_options), cfg.device, cfg.dtype).model.eval()
+        # (not its checkpoint, which would reset the KL to 0)
+        reference = seed.load_policy(start_path, cfg.device, cfg.dtype).model.eval()
     # seeded again here: building the warm-up (a cache miss) draws from the RNG and reading it from the cache
     # does not, and a run must not depend on which happened
     random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed + rank)  # torchrun: each rank its own stream (nanoGPT's seed offset)
     start = 0
     if checkpoint:
         optimizer.load_state_dict(state["optimizer"])
@@ -371,41 +456,49 @@ def main(cfg):
             torch.cuda.set_rng_state_all(state["cuda_rng"])
         start = state["update"]
 
-    n_envs = cfg.tasks_per_update * cfg.group_size
+    share = cfg.tasks_per_update // world  # tasks per rank; the GRPO group of a task stays on its rank
+    n_envs = share * cfg.group_size
     # factories rebuild an env that raised or hung (seed.rollout); reset(seed) makes a rebuilt env play the same
-    train_factory = lambda i: envs.make_env(cfg.env, "train", cfg.seed + i, **env_options)
-    eval_factories = {split: lambda i, split=split: envs.make_env(cfg.env, split, i, **env_options)
+    train_factory = lambda i: envs.make_env(cfg.env, "train", cfg.seed + rank * n_envs + i, **env_options)
+    eval_factories = {split: lambda i, split=split: envs.make_env(cfg.env, split, rank + i * world, **env_options)
                       for split in ("valid_seen", "valid_unseen")}
     train_envs = [train_factory(i) for i in range(n_envs)]
-    eval_envs = {split: [factory(i) for i in range(cfg.eval_tasks)] for split, factory in eval_factories.items()}
+    eval_envs = {split: [factory(i) for i in range(len(range(rank, cfg.eval_tasks, world)))]
+                 for split, factory in eval_factories.items()}
     loss_kwargs = dict(distill_coef=cfg.distill_coef if cfg.algo == "seed" else 0.0, distill_mode=cfg.distill_mode,
                        gate_beta=cfg.gate_beta, kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef,
                        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg)
     metrics_path, eval_path = (os.path.join(cfg.out_dir, name) for name in ("metrics.jsonl", "eval.jsonl"))
-    # lines past the checkpoint (a killed run's last update, a torn line) go; a fresh run starts new logs
-    trim_log(metrics_path, lambda r: r.get("update", 0) <= start, f"past update {start}, where this run starts")
-    eval_rows = trim_log(eval_path, lambda r: r.get("update", 0) < start, f"from update {start} on (redone)")
+    eval_rows = []
+    if master:  # lines past the checkpoint (a killed run's last update, a torn line) go; a fresh run starts new logs
+        trim_log(metrics_path, lambda r: r.get("update", 0) <= start, f"past update {start}, where this run starts")
+        eval_rows = trim_log(eval_path, lambda r: r.get("update", 0) < start, f"from update {start} on (redone)")
 
     for update in range(start, cfg.updates + 1):
         # ---- eval: at update 0, every --eval-every updates and at the end (as a run never killed)
         if update == 0 or update % cfg.eval_every == 0 or update == cfg.updates:
             for split, split_envs in eval_envs.items():
-                result = evaluate(policy, cfg, split, split_envs, eval_factories[split])
+                result = evaluate(policy, cfg, split, split_envs, rank, world, eval_factories[split])
                 result.update(when=f"update {update}", update=update)
                 eval_rows.append(result)
-                seed.save_metrics_line(eval_path, result)
-            print_eval_table(eval_rows[-2:])
+                if master:
+                    seed.save_metrics_line(eval_path, result)
+            if master:
+                print_eval_table(eval_rows[-2:])
         if update == cfg.updates:
             break
         t0 = time.time()
         times = {}
 
-        # ---- rollout: N tasks x G rollouts with the ordinary prompt, pre-update weights
+        # ---- rollout: N tasks x G rollouts with the ordinary prompt, pre-update weights (torchrun: this rank's
+        # N / world tasks, sampled from a generator of (seed, update, rank), so a resumed run samples the same)
         task_seeds = random.Random(cfg.seed * 1_000_003 + update).sample(range(10 ** 6), cfg.tasks_per_update)
-        trajectories = seed.rollout(policy, train_envs, task_seeds, cfg.group_size, cfg.max_steps, cfg.max_new_tokens,
-                                    cfg.temperature, cfg.history_window, cfg.invalid_penalty,
-                                    cfg.max_prompt_tokens, env_name=cfg.env, env_factory=train_factory,
-                                    env_timeout=cfg.env_timeout)
+        generator = (torch.Generator(policy.device).manual_seed((cfg.seed * 1_000_003 + update) * 1009 + rank)
+                     if world > 1 else None)  # one process: the global RNG, as ever
+        trajectories = seed.rollout(policy, train_envs, task_seeds[rank * share:(rank + 1) * share], cfg.group_size,
+                                    cfg.max_steps, cfg.max_new_tokens, cfg.temperature, cfg.history_window,
+                                    cfg.invalid_penalty, cfg.max_prompt_tokens, env_name=cfg.env,
+                                    generator=generator, env_factory=train_factory, env_timeout=cfg.env_timeout)
         dropped = report_dropped(trajectories, f"update {update + 1}")
         trajectories = [t for t in trajectories if not t.get("dropped")]  # a shorter group; GRPO takes any size
         kill_point("rollout", update + 1)
@@ -423,8 +516,9 @@ def main(cfg):
         # ---- re-score: old / teacher / reference log-probs of the same sampled tokens
         t2 = time.time()
         rows = seed.step_rows(trajectories, skill_list)
-        # (no student pass: with one PPO epoch the update's forward gives log pi_old exactly, see seed.rescore)
-        old_logp, teacher_logp, ref_logp, has_teacher = seed.rescore(policy, rows, cfg.temperature, cfg.layout,
+        # (no student pass: log pi_old is the update's own forward for one mini-batch, else the log-probs that
+        # sampling recorded; see seed.ppo_update)
+        _, teacher_logp, ref_logp, has_teacher = seed.rescore(policy, rows, cfg.temperature, cfg.layout,
                                                                      cfg.max_batch_tokens, reference, need_old=False)
         times["rescore"] = time.time() - t2
 
@@ -433,25 +527,37 @@ def main(cfg):
 
         # ---- loss/backward + step
         t3 = time.time()
-        metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages,
-                                              old_logp, teacher_logp if cfg.algo == "seed" else None, ref_logp,
-                                              has_teacher, loss_kwargs, cfg.temperature, cfg.layout,
-                                              cfg.max_batch_tokens, cfg.grad_clip)
+        mini_batches = cfg.mini_batches
+        if world > 1:  # every rank takes the same number of optimizer steps, each all-reducing its gradients
+            fewest = torch.tensor(min(mini_batches, len(rows["prompts"])), device=policy.device)
+            torch.distributed.all_reduce(fewest, torch.distributed.ReduceOp.MIN)
+            mini_batches = int(fewest)
+        metrics, skipped = seed.ppo_update(policy, optimizer, rows, advantages,
+                                           teacher_logp if cfg.algo == "seed" else None, ref_logp, has_teacher,
+                                           mini_batches, loss_kwargs=loss_kwargs, temperature=cfg.temperature,
+                                           layout=cfg.layout, max_batch_tokens=cfg.max_batch_tokens,
+                                           grad_clip=cfg.grad_clip, distributed=world > 1)
         kill_point("update", update + 1)
         times["update"] = time.time() - t3
 
-        # ---- log
-        n = max(1, len(trajectories))  # every trajectory dropped: zeros, and the update says SKIPPED
-        record = {"update": update + 1, "success": sum(t["won"] for t in trajectories) / n,
-                  "reward": sum(t["reward"] for t in trajectories) / n,
-                  "steps": sum(len(t["steps"]) for t in trajectories) / n,
-                  "rows": len(rows["prompts"]), "skipped": skipped, "dropped": dropped,
-                  "invalid_steps": sum(not s["valid"] for t in trajectories for s in t["steps"]),
-                  "invalid_share": sum(not s["valid"] for t in trajectories for s in t["steps"]) / max(1, len(rows["prompts"])),
-                  "truncated_rows": sum(s.get("truncated", False) for t in trajectories for s in t["steps"]),
-                  "parse_failures": sum(s is None for s in skill_list) if skill_list is not None else None,
-                  "parse_fail": (sum(s is None for s in skill_list) / len(skill_list)) if skill_list else None,
+        # ---- log (torchrun: counts summed over ranks; the loss metrics were summed in policy_update)
+        steps = [s for t in trajectories for s in t["steps"]]
+        counts = sum_over_ranks({"won": sum(t["won"] for t in trajectories), "trajectories": len(trajectories),
+                                 "reward": sum(t["reward"] for t in trajectories), "steps": len(steps),
+                                 "rows": len(rows["prompts"]), "invalid": sum(not s["valid"] for s in steps),
+                                 "truncated": sum(s.get("truncated", False) for s in steps), "dropped": dropped,
+                                 "parse_fail": sum(s is None for s in skill_list or [])}, world, policy.device)
+        episodes = max(1, counts["trajectories"])  # every trajectory dropped: zeros, and the update says SKIPPED
+        record = {"update": update + 1, "success": counts["won"] / episodes, "reward": counts["reward"] / episodes,
+                  "steps": counts["steps"] / episodes, "rows": int(counts["rows"]), "skipped": skipped,
+                  "dropped": int(counts["dropped"]), "invalid_steps": int(counts["invalid"]),
+                  "invalid_share": counts["invalid"] / max(1, counts["rows"]),
+                  "truncated_rows": int(counts["truncated"]),
+                  "parse_failures": int(counts["parse_fail"]) if skill_list is not None else None,
+                  "parse_fail": counts["parse_fail"] / episodes if skill_list is not None else None,
                   "time": time.time() - t0, **{f"time_{k}": v for k, v in times.items()}, **metrics}
+        if not master:
+            continue
         seed.save_metrics_line(metrics_path, record)
         kill_point("log", update + 1)
         parse = "-" if record["parse_fail"] is None else f"{record['parse_fail']:.2f}"
@@ -464,6 +570,10 @@ def main(cfg):
         if (update + 1) % cfg.save_every == 0 or update + 1 == cfg.updates:
             save_checkpoint(cfg, policy, optimizer, update + 1)
 
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    if not master:
+        return None
     summary = {"eval": eval_rows, "out_dir": cfg.out_dir}
     with open(os.path.join(cfg.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

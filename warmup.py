@@ -26,8 +26,10 @@ from tqdm.auto import tqdm
 
 import seed
 import skills
+import vlm
 
-WARMUP_VERSION = 2  # bump when the demonstrations change, so stale caches are not reused
+WARMUP_VERSION = 3  # bump when the demonstrations change, so stale caches are not reused
+VISION_ENVS = ("vision", "miniwob")  # screenshot observations: the tiny model is a Qwen2-VL (vlm.build_tiny_vlm)
 
 
 def env_options(cfg):
@@ -49,7 +51,12 @@ def env_options(cfg):
         return {"data_dir": data_dir, "max_steps": cfg.max_steps or 30, "default_max_steps": 30}
     if cfg.env == "webshop":  # the server in $WEBSHOP_URL, else the offline mini WebShop (envs_webshop)
         return {"max_steps": cfg.max_steps or 15, "default_max_steps": 15}
-    raise ValueError(f"unknown env {cfg.env!r}; valid names: household, alfworld, webshop")
+    if cfg.env == "vision":  # the embedded screenshot env (envs_vision)
+        return {"max_steps": cfg.max_steps or 6, "default_max_steps": 6}
+    if cfg.env == "miniwob":  # the real MiniWoB++ in headless Chromium (envs_miniwob)
+        return {"task": cfg.task, "elements": cfg.miniwob_elements, "max_steps": cfg.max_steps or 10,
+                "default_max_steps": 10}
+    raise ValueError(f"unknown env {cfg.env!r}; valid names: household, alfworld, webshop, vision, miniwob")
 
 
 # ----------------------------------------------------------------------------- demonstrations
@@ -59,8 +66,8 @@ def demonstration_env(cfg, options, seed_value):
     modes, which ALFWorld's planner lacks; the household env renders ALFWorld's text and six task
     families, so the demonstrations for --env alfworld come from it (said in the log)."""
     import envs
-    if cfg.env == "webshop":  # its expert has the noisy and oracle modes
-        return envs.make_env("webshop", "train", seed_value, **options)
+    if cfg.env in ("webshop", "vision", "miniwob"):  # their experts have the noisy and oracle modes
+        return envs.make_env(cfg.env, "train", seed_value, **options)
     if cfg.env != "household":
         print(f"demonstrations come from the household env: the {cfg.env} expert has no noisy or oracle mode")
     return envs.make_env("household", "train", seed_value, max_steps=options["max_steps"])
@@ -72,6 +79,8 @@ WEBSHOP_SUBGOALS = (("search[", "search for the product"), ("click[buy now]", "b
 
 def subgoal(gt, holding, transformed, action=""):
     """A short reasoning text for the expert's <think>: the current subgoal."""
+    if gt.get("env") in ("vision", "miniwob"):
+        return "find what the task names in the screenshot"
     if gt.get("env") == "webshop":
         return next(text for prefix, text in WEBSHOP_SUBGOALS + (("", "shop"),) if action.startswith(prefix))
     obj = gt.get("goal_object") or "object"
@@ -88,20 +97,28 @@ def subgoal(gt, holding, transformed, action=""):
 
 def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="household", skill=None):
     """Play one episode with the env's expert. The executed action is the expert's with probability
-    1 - epsilon (else a random admissible one); every step is labelled with the expert's own choice.
+    1 - epsilon (else a random admissible one; and with probability epsilon / 2 a command that was admissible
+    earlier but is not now, which the env answers "Nothing happens."); every step is labelled with the
+    expert's own choice, so the data shows how to recover from a random or an invalid command.
     With `skill`, the oracle expert acts (it knows where objects are, as the skill tells) and prompts
     carry the skill block. Returns (trajectory, labelled examples [(prompt, response)])."""
     observation, info = env.reset(task_seed)
     trajectory = {"task": info["task"], "task_type": info.get("task_type"), "won": False, "reward": 0.0,
                   "steps": [], "gt": None}
-    history, examples, pending, done = [], [], [], False
+    history, examples, pending, done, earlier = [], [], [], False, set()
     while not done:
-        prompt = seed.render_prompt(info["task"], history, observation, info.get("admissible", []), history_window,
-                                    env_name)
+        prompt = vlm.user_message(seed.render_prompt(info["task"], history, vlm.observation_text(observation),
+                                                     info.get("admissible", []), history_window, env_name), observation)
         best = env.expert_action(0.0, oracle=skill is not None)
         action = env.expert_action(epsilon, rng, oracle=skill is not None)
-        pending.append((prompt if skill is None else skills.with_skill(prompt, skill), best, action))
-        previous = observation
+        admissible = set(info.get("admissible", []))
+        stale = sorted(earlier - admissible)  # once admissible, not now: "go to" where it stands, a gone object
+        if stale and rng.random() < epsilon / 2:
+            action = rng.choice(stale)  # an invalid command ("Nothing happens."), so the data shows recoveries
+        earlier |= admissible
+        pending.append((prompt if skill is None else vlm.same_image(prompt, skills.with_skill(prompt, skill)), best,
+                        action))
+        previous = vlm.observation_text(observation)
         observation, reward, done, info = env.step(action)
         trajectory["steps"].append({"observation": previous, "action": action, "reward": float(reward),
                                     "valid": bool(info.get("valid", True)), "response": None})
@@ -183,7 +200,8 @@ def warm_start(cfg, options):
     corpus += [skills.analyzer_prompt(t) + c for t, c in analyzed[:1000]]
     temporary = path + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
-    policy = seed.build_tiny_policy(corpus, temporary, seed=cfg.warmup_seed)
+    build = vlm.build_tiny_vlm if cfg.env in VISION_ENVS else seed.build_tiny_policy
+    policy = build(corpus, temporary, seed=cfg.warmup_seed)
     analyze = analyzer_examples(policy, analyzed, cfg.analysis_prompt_tokens)
     print(f"warm-up: {len(act)} acting, {len(follow)} skill-following and {len(analyze)} analyzer examples "
           f"from {n_episodes} expert episodes; {sum(p.numel() for p in policy.model.parameters()) / 1e6:.2f}M "

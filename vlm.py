@@ -1,0 +1,172 @@
+"""vlm.py: the vision-language side of the policy -- screenshots into Qwen2-VL / Qwen2.5-VL prompts.
+
+seed.py keeps one code path for text and vision; this module supplies the few things images add:
+  * `ImageText`: a user message (str) that carries its screenshot; `ImageIds`: the prompt's token ids (list)
+    that carry the processed pixels and grid. They flow through rollout, analysis, re-scoring and the loss like
+    plain str / list, so the teacher prompt (skills.with_skill on the text) is re-attached to the SAME pixels;
+  * `encode_image_chat`: the processor's work done by hand (REFERENCE section 5): run the PIL image processor,
+    put <|vision_start|><|image_pad|> x (grid_t*grid_h*grid_w / merge^2) <|vision_end|> before the text;
+  * `image_inputs`: for a padded batch, pixel_values, image_grid_thw, mm_token_type_ids (1 on image tokens) and
+    the 3D M-RoPE position ids from the model's own get_rope_index (padding ignored through the attention mask);
+  * `build_tiny_vlm` (a few-M-parameter Qwen2-VL from a config, tokenizer trained in-process, PIL image
+    processor; no download) and `load_vlm` (any Qwen2-VL / Qwen2.5-VL folder or hub name already on disk).
+Only the padded layout carries images: packing several image prompts in one row would need per-sequence
+M-RoPE and vision segments, so seed.forward_logits refuses layout="packed" for image prompts.
+
+Departure from the paper: the paper's MiniWoB policy is a pretrained Qwen2.5-VL; the tiny VLM starts from random
+weights and learns to read screenshots in its warm-up (behaviour cloning of the env's expert, warmup.py).
+Run: python train.py --env vision   (tiny VLM on the embedded screenshot env, CPU)
+"""
+import os
+
+import torch
+
+IMAGE_PAD, VISION_START, VISION_END = "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"
+VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, "<|video_pad|>")
+# the tiny model's chat template: string content, or Qwen2-VL's list of {"type": "image"} / {"type": "text"} parts
+TINY_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}{% if part['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY_VISION = dict(depth=2, embed_dim=96, num_heads=4, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+                   temporal_patch_size=2, in_channels=3)
+TINY_PIXELS = (112 * 112, 224 * 224)  # min and max pixels: the vision env's 112x112 stays 4x4 merged tokens
+
+
+class ImageText(str):
+    """A user message with the screenshot (H, W, 3 uint8) it is about."""
+
+    def __new__(cls, text, image):
+        self = super().__new__(cls, text)
+        self.image = image
+        return self
+
+
+class ImageIds(list):
+    """Prompt token ids with the processed image: pixel_values (patches, dim) and grid_thw (3,). A slice keeps
+    them (the caller must not cut the image tokens out)."""
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return with_pixels(self, super().__getitem__(index))
+        return super().__getitem__(index)
+
+
+def with_pixels(source, ids):
+    """ids as ImageIds carrying source's pixels when source has them, else ids unchanged."""
+    if getattr(source, "pixel_values", None) is None:
+        return ids
+    ids = ImageIds(ids)
+    ids.pixel_values, ids.grid_thw = source.pixel_values, source.grid_thw
+    return ids
+
+
+def same_image(source, text):
+    """`text` (e.g. the teacher prompt made from source by skills.with_skill) with source's screenshot, if any."""
+    image = getattr(source, "image", None)
+    return text if image is None else ImageText(text, image)
+
+
+def observation_text(observation):
+    """The text part of an observation: a vision env's {"text", "image"} or a plain string."""
+    return observation["text"] if isinstance(observation, dict) else observation
+
+
+def user_message(text, observation):
+    """The rendered prompt text, with the observation's screenshot attached when it has one."""
+    image = observation.get("image") if isinstance(observation, dict) else None
+    return text if image is None else ImageText(text, image)
+
+
+def has_images(prompts):
+    return any(getattr(p, "pixel_values", None) is not None for p in prompts)
+
+
+# ----------------------------------------------------------------------------- prompts and batches
+
+def encode_image_chat(tokenizer, message):
+    """Token ids (ImageIds) of one user turn [image, text] plus the assistant header."""
+    processor = getattr(tokenizer, "image_processor", None)
+    if processor is None:
+        raise ValueError("this env shows images but the model has no image processor: use a Qwen2-VL / Qwen2.5-VL "
+                         "model or --model tiny")
+    out = processor(images=[message.image], return_tensors="pt")
+    grid = out["image_grid_thw"][0]                                                # (3,)
+    n_tokens = int(grid.prod()) // processor.merge_size ** 2
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": str(message)}]}]
+    chat = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+    if IMAGE_PAD not in chat:  # a template that only renders string content: the image block opens the message
+        turn = [{"role": "user", "content": f"{VISION_START}{IMAGE_PAD}{VISION_END}{message}"}]
+        chat = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+    ids = ImageIds(tokenizer(chat.replace(IMAGE_PAD, IMAGE_PAD * n_tokens, 1), add_special_tokens=False)["input_ids"])
+    ids.pixel_values, ids.grid_thw = out["pixel_values"], grid                     # (patches, 3*2*14*14), (3,)
+    return ids
+
+
+def image_inputs(model, prompts, ids, attention):
+    """Extra forward kwargs for a padded batch whose rows start with `prompts` (ids, attention (B, T)): {} when
+    no prompt has an image, else pixel_values, image_grid_thw, mm_token_type_ids and 3D position_ids (3, B, T)."""
+    images = [p for p in prompts if getattr(p, "pixel_values", None) is not None]
+    if not images:
+        return {}
+    token_types = (ids == model.config.image_token_id).int()                       # (B, T)
+    grid = torch.stack([p.grid_thw for p in images]).to(ids.device)                # (n_images, 3)
+    positions, _ = model.model.get_rope_index(input_ids=ids, mm_token_type_ids=token_types, image_grid_thw=grid,
+                                              attention_mask=attention)           # (3, B, T)
+    pixels = torch.cat([p.pixel_values for p in images]).to(ids.device, model.dtype)
+    return {"pixel_values": pixels, "image_grid_thw": grid, "mm_token_type_ids": token_types, "position_ids": positions}
+
+
+# ----------------------------------------------------------------------------- models
+
+def is_vlm(name_or_path):
+    """True when the model's config has a vision tower (a folder or hub name already available offline)."""
+    from transformers import AutoConfig
+    try:
+        return getattr(AutoConfig.from_pretrained(name_or_path), "vision_config", None) is not None
+    except (OSError, ValueError):
+        return False
+
+
+def is_vlm_model(model):
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def load_vlm(name_or_path, dtype):
+    """(model, tokenizer) of a Qwen2-VL / Qwen2.5-VL; the PIL image processor rides on tokenizer.image_processor
+    (the default processor needs torchvision, which does not import beside the CPU torch wheel)."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    tokenizer.image_processor = Qwen2VLImageProcessorPil.from_pretrained(name_or_path)
+    model = AutoModelForImageTextToText.from_pretrained(name_or_path, dtype=dtype)
+    return model, tokenizer
+
+
+def build_tiny_vlm(corpus, out_dir, vocab_size=2048, seed=0, **sizes):
+    """A small Qwen2-VL from a config: BPE tokenizer trained on `corpus` with Qwen2-VL's vision tokens, the
+    text sizes of seed.TINY_SIZES, a 2-block vision tower and a PIL image processor; saved as an ordinary HF
+    folder in out_dir and returned reloaded from there (seed.load_policy)."""
+    import seed as seed_module  # seed imports vlm: import it here, not at the top
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    tokenizer = seed_module.build_tiny_tokenizer(corpus, vocab_size, VISION_TOKENS, TINY_VL_TEMPLATE)
+    text = {**seed_module.TINY_SIZES, **sizes}
+    half_head = text["hidden_size"] // text["num_attention_heads"] // 2
+    sections = [half_head - 2 * (half_head * 3 // 8), half_head * 3 // 8, half_head * 3 // 8]  # t, h, w: sum = half
+    token = tokenizer.convert_tokens_to_ids
+    torch.manual_seed(seed)
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections},
+                         **text),
+        vision_config=dict(TINY_VISION, hidden_size=text["hidden_size"]),
+        image_token_id=token(IMAGE_PAD), video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token(VISION_START), vision_end_token_id=token(VISION_END), tie_word_embeddings=True)
+    config._attn_implementation = "eager"  # as seed.build_tiny_policy: faster than SDPA at this width on a CPU
+    model = Qwen2VLForConditionalGeneration(config)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(min_pixels=TINY_PIXELS[0], max_pixels=TINY_PIXELS[1]).save_pretrained(out_dir)
+    return seed_module.load_policy(out_dir, device="cpu", dtype="float32")
