@@ -18,6 +18,10 @@ the whole update's token count, so the step equals the single-process step on th
 is sharded over ranks; rank 0 alone builds the start model, writes logs and checkpoints. NCCL on GPUs, gloo
 on CPU.
 
+Reliability: checkpoints are atomic and --resume continues a killed run exactly (its logs trimmed to the
+checkpoint); an env that raises or hangs past --env-timeout is rebuilt and its trajectory dropped; a non-finite
+update is skipped with its cause; bad flags, checkpoints and data are one `error:` line (README, Reliability).
+
 Departures from the paper: stage-1 skills come from skills.annotate (a rule-based hindsight annotator
 reading the env's ground truth) or a user's JSONL instead of a strong LLM; the tiny model needs a
 warm-up that a pretrained instruct model does not (warmup.py).
