@@ -518,11 +518,17 @@ def rescore(policy, rows, temperature=1.0, layout="padded", max_batch_tokens=163
     return old, teacher, ref, has_teacher
 
 
-def trajectory_advantages(trajectories, norm_std=True):
-    """GRPO over the episode scores (outcome reward + invalid penalties) of each task's G rollouts: (N,)."""
+def trajectory_advantages(trajectories, norm="group"):
+    """GRPO over the episode scores (outcome reward + invalid penalties) of each task's G rollouts: (N,).
+    norm: "group" divides by each group's std (GRPO, the paper); "batch" by the std of all centred scores of
+    the update, so a group whose rollouts all failed and differ only by a 0.1 format penalty keeps advantages
+    near 0 instead of being blown up to +-1 (which rewards its failed rollouts); "none": Dr. GRPO."""
     scores = torch.tensor([t["reward"] for t in trajectories], dtype=torch.float32)
     groups = torch.tensor([t["group"] for t in trajectories])
-    return L.grpo_advantages(scores, groups, norm_std=norm_std)
+    centered = L.grpo_advantages(scores, groups, norm_std=norm == "group")  # (N,)
+    if norm == "batch":
+        return centered / (centered.std() + 1e-6) if centered.numel() > 1 else centered
+    return centered
 
 
 def skip_reason(prompts, advantages, old_logp=None, teacher_logp=None, ref_logp=None):

@@ -95,6 +95,9 @@ def get_config(argv=None):
         help="loss aggregation")
     # optimisation
     add("--lr", type=float, default=None, help="learning rate (default: 1e-6 for HF models, 2e-4 for tiny)")
+    add("--advantage-norm", default=None, choices=["group", "batch", "none"],
+        help="GRPO advantage scale: group std (paper), batch std (default for tiny: all-failed groups stay ~0), "
+             "none (Dr. GRPO); default group for HF models")
     add("--mini-batches", type=int, default=None,
         help="optimizer steps per update, each on a random part of the rows (verl's PPO mini-batches; "
              "default 4 for tiny, 1 for HF models)")
@@ -131,6 +134,8 @@ def get_config(argv=None):
     check_config(cfg, p.error)
     if cfg.lr is None:
         cfg.lr = 2e-4 if cfg.model == "tiny" else 1e-6
+    if cfg.advantage_norm is None:
+        cfg.advantage_norm = "batch" if cfg.model == "tiny" else "group"
     if cfg.mini_batches is None:
         cfg.mini_batches = 4 if cfg.model == "tiny" else 1
     if cfg.mini_batches < 1:
@@ -527,7 +532,7 @@ def main(cfg):
         times["rescore"] = time.time() - t2
 
         # ---- advantage: GRPO per task group, broadcast to every step (delta is added inside the loss)
-        advantages = seed.trajectory_advantages(trajectories)[rows["trajectory"]]  # (B,)
+        advantages = seed.trajectory_advantages(trajectories, cfg.advantage_norm)[rows["trajectory"]]  # (B,)
 
         # ---- loss/backward + step
         t3 = time.time()
