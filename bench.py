@@ -20,11 +20,13 @@ run to the token limit and whose analyses never parse: those get a fixed skill s
 pass, the worst case for SEED). Tests never time anything; test_seed.py runs `--quick` sections as smoke tests.
 """
 import argparse
+import contextlib
 import copy
+import glob
+import io
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -176,42 +178,42 @@ def section_rescore(args):
 
 def section_packing(args):
     """(2) packed vs padded re-scoring on a realistic length mix: equal log-probs, time."""
-    n_rows = 24 if args.quick else 96
-    shapes = realistic_mix(n_rows)
-    print(f"\n## 2. packed vs padded re-scoring, {n_rows} rows (prompt 150-550 / 1,200-2,000, response 8-24 / 48-160)")
-    print(f"{'model':>28} {'real tok':>9} {'padded tok':>10} {'padded s':>9} {'packed s':>9} {'speed-up':>9} {'max |diff|':>10}")
-    results = {}
-    cases = [("tiny (4 layers)", "tiny", None, 16384)]
+    long_every = 6 if args.quick else 12
+    cases = [("tiny (4 layers)", "tiny", None, 12 if args.quick else 48)]
     if not args.quick:
-        cases.append(("qwen-0.5b-shaped, 1 layer", "qwen-0.5b", 1, 16384))
-    for label, kind, layers, max_batch_tokens in cases:
+        cases.append(("qwen-0.5b-shaped, 1 layer", "qwen-0.5b", 1, 24))  # its rows cost ~50x more
+    print(f"\n## 2. packed vs padded re-scoring (prompt 150-550 tokens, every {long_every}th 1,200-2,000; response "
+          f"8-24, 30% 48-160; 16,384-token micro-batches)")
+    print(f"{'model':>28} {'rows':>5} {'real tok':>9} {'padded tok':>10} {'padded s':>9} {'packed s':>9} {'speed-up':>9} "
+          f"{'max |diff|':>10}")
+    results = {}
+    for label, kind, layers, n_rows in cases:
         model = random_model(kind, layers)
-        prompts, responses = random_rows(shapes, model.config.vocab_size, 1)
-        score = lambda layout: seed.response_logprobs(model, prompts, responses, 0, layout=layout,
-                                                      max_batch_tokens=max_batch_tokens)
+        prompts, responses = random_rows(realistic_mix(n_rows, long_every=long_every), model.config.vocab_size, 1)
+        score = lambda layout: seed.response_logprobs(model, prompts, responses, 0, layout=layout)
         diff = (score("padded") - score("packed")).abs().max().item()
-        times = compare({"padded": lambda: score("padded"), "packed": lambda: score("packed")}, args.repeats, warmup=0)
+        times = compare({"padded": lambda: score("padded"), "packed": lambda: score("packed")}, min(args.repeats, 3),
+                        warmup=0)
         speedup = median_ratio(times, "padded", "packed")
         real = sum(len(p) + len(r) for p, r in zip(prompts, responses))
-        print(f"{label:>28} {real:>9} {padded_tokens(prompts, responses, max_batch_tokens):>10} "
+        print(f"{label:>28} {n_rows:>5} {real:>9} {padded_tokens(prompts, responses, 16384):>10} "
               f"{med(times['padded']):>9.2f} {med(times['packed']):>9.2f} {speedup:>8.2f}x {diff:>10.1e}")
         results[label] = (speedup, diff)
     return results
 
 
-def memory_child(kind, tokens, vocab):
+def memory_child(kind, tokens, vocab, chunk_size=None):
     """Run in a fresh process: peak RSS growth (MB) of one per-token log-prob computation over (T, V) logits."""
     generator = torch.Generator().manual_seed(0)  # both processes score the same logits
     logits = torch.empty(tokens, vocab).uniform_(-4, 4, generator=generator)  # touched: counted in the baseline
     targets = torch.randint(0, vocab, (tokens,), generator=generator)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with torch.no_grad():
         if kind == "chunked":
-            out = L.token_logprobs(logits, targets)
+            extra, out = measure_peak_extra_mb(lambda: L.token_logprobs(logits, targets, chunk_size=chunk_size))
         else:
-            out = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
-    print(json.dumps({"extra_mb": (peak - before) / 1024, "checksum": float(out.sum())}))
+            extra, out = measure_peak_extra_mb(
+                lambda: torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0])
+    print(json.dumps({"extra_mb": extra, "checksum": float(out.sum())}))
 
 
 def run_child(*child_args):
@@ -223,7 +225,7 @@ def run_child(*child_args):
 
 def section_memory(args):
     """(3) peak extra memory of token_logprobs vs log_softmax + gather, each in a fresh subprocess."""
-    tokens, vocab = 4096, 152000
+    tokens, vocab = (2048 if args.quick else 4096), 152000
     print(f"\n## 3. chunked log-probs: peak extra memory at T={tokens:,}, V={vocab:,} (fp32 logits "
           f"{tokens * vocab * 4 / 2**20:,.0f} MB; fresh subprocess each, peak RSS)")
     naive, chunked = run_child("memory", "naive", tokens, vocab), run_child("memory", "chunked", tokens, vocab)
@@ -236,9 +238,15 @@ def section_memory(args):
 
 
 def bench_policy(args):
-    """The tiny policy: --model folder (e.g. a cached warm-up), else random weights with a BPE trained here."""
-    if args.model:
-        return seed.load_policy(args.model, device="cpu", dtype="float32"), f"{args.model}"
+    """The tiny policy: --model folder, else the newest cached warm-up of train.py (cache/tiny-household-*), else
+    (or with --model random) random weights with a BPE trained here."""
+    folder = args.model
+    if folder is None:
+        cached = glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache", "tiny-household-*",
+                                        "model.safetensors"))
+        folder = os.path.dirname(max(cached, key=os.path.getmtime)) if cached else "random"
+    if folder != "random":
+        return seed.load_policy(folder, device="cpu", dtype="float32"), f"the tiny policy in {folder}"
     import envs
     import skills
     import warmup
@@ -256,7 +264,7 @@ def make_envs(n, max_steps):
 
 def section_rollout(args, policy):
     """(4) batched rollouts (all live envs in one generation batch) vs one env at a time."""
-    tasks, group, max_steps, new_tokens = (2, 2, 2, 16) if args.quick else (4, 4, 4, 32)
+    tasks, group, max_steps, new_tokens = (2, 2, 2, 16) if args.quick else (4, 4, 3, 48)
     train_envs, task_seeds = make_envs(tasks * group, max_steps), list(range(100, 100 + tasks))
     counted = {}
 
@@ -269,13 +277,16 @@ def section_rollout(args, policy):
             policy, [env], [task_seeds[i // group]], 1, max_steps, new_tokens, batch_size=1, desc=None,
             generator=torch.Generator().manual_seed(i))]
 
-    times = compare({"batched": batched, "single": one_at_a_time}, args.repeats, warmup=0)
+    times = compare({"batched": batched, "single": one_at_a_time}, min(args.repeats, 3), warmup=0)
     tokens = {k: sum(len(s["response_ids"]) for t in v for s in t["steps"]) for k, v in counted.items()}
+    prompt_tokens = sum(len(s["prompt_ids"]) for t in counted["batched"] for s in t["steps"])
     rate = {k: tokens[k] / med(times[k]) for k in times}
     speedup = median_ratio(times, "single", "batched") * tokens["batched"] / tokens["single"]
     print(f"\n## 4. rollouts: {tasks} tasks x {group} rollouts, {max_steps} steps, <= {new_tokens} new tokens per step")
     print(f"one env at a time: {med(times['single']):.2f} s, {rate['single']:.0f} tokens/s   batched: "
           f"{med(times['batched']):.2f} s, {rate['batched']:.0f} tokens/s   speed-up {speedup:.1f}x (per generated token)")
+    print(f"(each step re-reads its whole prompt: {prompt_tokens:,} prompt tokens for {tokens['batched']:,} generated; "
+          f"that prefill is the same work in both modes and bounds the gain)")
     return speedup
 
 
@@ -300,23 +311,43 @@ def one_update(policy, algo, train_envs, task_seeds, sizes):
         skill_list = [s or FIXED_SKILL for s in skill_list]  # worst case: every row gets a teacher pass
     lap("analyze")
     rows = seed.step_rows(trajectories, skill_list)
-    _, teacher, _, has_teacher = seed.rescore(policy, rows, need_old=False)
+    with contextlib.redirect_stderr(io.StringIO()):  # its progress bars
+        _, teacher, _, has_teacher = seed.rescore(policy, rows, need_old=False)
     lap("rescore")
     advantages = seed.trajectory_advantages(trajectories)[rows["trajectory"]]  # (B,)
     seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages, None,
                        teacher if algo == "seed" else None, None, has_teacher, {"distill_coef": 0.1})
     lap("update")
     times["rows"] = len(rows["prompts"])
+    if algo == "seed":
+        times["shared"] = shared_prefix_share(policy.tokenizer, rows)
     return times
+
+
+def shared_prefix_share(tokenizer, rows):
+    """Share of the teacher pass's tokens that repeat the longest prefix common to every teacher prompt of the same
+    trajectory: the most that computing such a prefix once per trajectory could save."""
+    by_trajectory = {}
+    for text, response, index in zip(rows["teacher_prompts"], rows["responses"], rows["trajectory"]):
+        if text is not None:
+            by_trajectory.setdefault(index, []).append((seed.encode_chat(tokenizer, text), len(response)))
+    total = repeated = 0
+    for items in by_trajectory.values():
+        prompts = [p for p, _ in items]
+        common = next((i for i in range(min(map(len, prompts))) if len({p[i] for p in prompts}) > 1),
+                      min(map(len, prompts)))
+        total += sum(len(p) + n for p, n in items)
+        repeated += common * (len(items) - 1)
+    return repeated / max(total, 1)
 
 
 def section_seed_overhead(args, policy):
     """(5) one SEED update vs one GRPO update at the same sizes, by phase, interleaved."""
-    tasks, sizes = (2, (2, 2, 16, 24)) if args.quick else (4, (4, 8, 48, 96))
+    tasks, sizes = (2, (2, 2, 16, 24)) if args.quick else (4, (4, 20, 48, 96))
     group, max_steps, new_tokens, analysis_tokens = sizes
     train_envs, task_seeds = make_envs(tasks * group, max_steps), list(range(200, 200 + tasks))
     runs = {"grpo": [], "seed": []}
-    for r in range(args.repeats):
+    for r in range(min(args.repeats, 3)):
         for algo in (["grpo", "seed"] if r % 2 == 0 else ["seed", "grpo"]):
             runs[algo].append(one_update(policy, algo, train_envs, task_seeds, sizes))
     phases = ["rollout", "analyze", "rescore", "update"]
@@ -328,15 +359,19 @@ def section_seed_overhead(args, policy):
     for algo in runs:
         print(f"{algo:>5} " + " ".join(f"{med([run[p] for run in runs[algo]]):>8.2f}" for p in phases)
               + f" {med(total[algo]):>8.2f}")
-    print(f"SEED / GRPO: {ratio:.2f}x (median of per-round ratios)")
+    print(f"SEED / GRPO: {ratio:.2f}x (median of per-round ratios); {runs['seed'][0]['shared']:.0%} of the teacher "
+          f"pass's tokens repeat a prefix shared by the trajectory's rows (the most prefix sharing could save there)")
     return ratio
 
 
 def set_checkpointing(model, on):
+    """Activation (gradient) checkpointing on or off, by transformers 5's name where it has it."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
     if on:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable()
     else:
-        model.gradient_checkpointing_disable()
+        disable()
 
 
 def train_case(quick):
@@ -356,17 +391,26 @@ def train_setup(quick):
     return model, step
 
 
-def current_rss_kb():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+def rss_kb(field="VmRSS"):
+    """Resident memory now (VmRSS) or its peak (VmHWM) in kB, from /proc/self/status (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def measure_peak_extra_mb(fn):
+    """Peak resident memory above the current one while fn runs, in MB. The peak is reset first (clear_refs 5),
+    so an earlier transient peak (imports, model construction) cannot leak into the figure."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = rss_kb()
+    result = fn()
+    return (rss_kb("VmHWM") - before) / 1024, result
 
 
 def train_memory_child(checkpointing, quick):
     model, step = train_setup(quick == "quick")
     set_checkpointing(model, checkpointing == "on")
-    before = current_rss_kb()
-    step()
-    print(json.dumps({"extra_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024}))
+    print(json.dumps({"extra_mb": measure_peak_extra_mb(step)[0]}))
 
 
 def section_train(args):
@@ -376,7 +420,7 @@ def section_train(args):
     variants = {}
     for name, on in (("off", False), ("on", True)):
         variants[name] = lambda on=on: (set_checkpointing(model, on), step())
-    times = compare(variants, args.repeats)
+    times = compare(variants, min(args.repeats, 3))
     memory = {name: run_child("train", name, "quick" if args.quick else "full")["extra_mb"] for name in variants}
     tokens = n_rows * (prompt_len + response_len)
     print(f"\n## 6. training step: {kind}-shaped, {layers} layers, {n_rows} rows x {prompt_len}+{response_len} tokens, "
@@ -441,12 +485,13 @@ def main(argv=None):
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS, help="sections to run")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the matmul bound uses the same)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per comparison (default 3 quick, 5 full)")
-    p.add_argument("--model", default=None, help="tiny policy folder for rollouts/updates (default: random weights)")
+    p.add_argument("--model", default=None,
+                   help="tiny policy folder for sections 4-5, or 'random' (default: cached warm-up, else random)")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)  # internal: a fresh-process memory measurement
     args = p.parse_args(argv)
     if args.child:
         kind, *rest = args.child
-        return memory_child(rest[0], int(rest[1]), int(rest[2])) if kind == "memory" else train_memory_child(*rest)
+        return memory_child(rest[0], *map(int, rest[1:])) if kind == "memory" else train_memory_child(*rest)
     args.repeats = args.repeats or (3 if args.quick else 5)
     torch.set_num_threads(args.threads)
     print(f"bench.py{' --quick' if args.quick else ''}: torch {torch.__version__}, {args.threads} thread(s), "
@@ -463,7 +508,8 @@ def main(argv=None):
                         speedup >= 1.5 and diff < 1e-4))
     if "memory" in args.only:
         ratio = section_memory(args)
-        summary.append(("chunked / naive peak extra memory", f"{ratio:.3f}", "<= 0.125", ratio <= 0.125))
+        summary.append((f"chunked / naive peak extra memory, T={2048 if args.quick else 4096}", f"{ratio:.3f}",
+                        "<= 0.125", ratio <= 0.125))
     if "rollout" in args.only or "overhead" in args.only:
         policy, origin = bench_policy(args)
         print(f"\n(rollout and update sections use: {origin})")
