@@ -242,8 +242,9 @@ def bench_policy(args):
     (or with --model random) random weights with a BPE trained here."""
     folder = args.model
     if folder is None:
-        cached = glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache", "tiny-household-*",
-                                        "model.safetensors"))
+        cached = [path for path in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cache",
+                                                          "tiny-household-*", "warmup.json"))
+                  if not os.path.dirname(path).endswith(".tmp")]  # a warm-up still being written is skipped
         folder = os.path.dirname(max(cached, key=os.path.getmtime)) if cached else "random"
     if folder != "random":
         return seed.load_policy(folder, device="cpu", dtype="float32"), f"the tiny policy in {folder}"
@@ -376,7 +377,7 @@ def set_checkpointing(model, on):
 
 def train_case(quick):
     """(kind, layers, rows, prompt_len, response_len, micro-batch tokens) of the training-step section."""
-    return ("tiny", 4, 8, 224, 32, 512) if quick else ("qwen-0.5b", 6, 8, 224, 32, 512)
+    return ("tiny", 4, 8, 224, 32, 512) if quick else ("qwen-0.5b", 4, 8, 224, 32, 512)
 
 
 def train_setup(quick):
