@@ -15,9 +15,10 @@ update at the paper's batch shapes, only when CUDA is present.
 How to read it: a shared machine makes absolute times drift, so every comparison runs its variants
 interleaved in one process (A B A B ...) and prints the median time of each and the median of the per-round
 ratios. Models are random-weight Qwen2s built from configs (nothing is downloaded); the rollout and update
-sections use the tiny policy (cached warm-up if --model points at one, else random weights whose responses
-run to the token limit and whose analyses never parse: those get a fixed skill so every row has a teacher
-pass, the worst case for SEED). Tests never time anything; test_seed.py runs `--quick` sections as smoke tests.
+sections use the tiny policy: train.py's cached warm-up (cache/tiny-household-*) when there is one, else
+random weights, whose responses run to the token limit. Analyses that do not parse get a fixed skill, so every
+row has a teacher pass (the worst case for SEED). Tests never time anything; test_seed.py runs helpers and a
+--quick section as smoke tests.
 """
 import argparse
 import contextlib
@@ -73,8 +74,7 @@ def median_ratio(times, numerator, denominator):
     return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))
 
 
-def med(values):
-    return statistics.median(values)
+med = statistics.median
 
 
 def random_model(kind, layers=None, attn=None, dtype=torch.float32, device="cpu"):
@@ -154,15 +154,17 @@ def matmul_bound(config, lengths, kept):
 
 def section_rescore(args):
     """(1) re-scoring tokens/s (padded, equal rows: no padding) vs the matmuls alone."""
-    cases = [("tiny (4 layers)", "tiny", None, 16, 448, 64),
-             ("qwen-0.5b-shaped, 2 layers", "qwen-0.5b", 2, 4, 448, 64)]
+    cases = [("tiny (4 layers, eager)", "tiny", None, 16, 448, 64, "eager"),
+             ("tiny (4 layers, SDPA)", "tiny", None, 16, 448, 64, "sdpa"),
+             ("qwen-0.5b-shaped, 2 layers", "qwen-0.5b", 2, 4, 448, 64, "sdpa")]
     if args.quick:
-        cases = [("tiny (4 layers)", "tiny", None, 4, 192, 32), ("qwen-0.5b-shaped, 1 layer", "qwen-0.5b", 1, 2, 192, 32)]
+        cases = [("tiny (4 layers, eager)", "tiny", None, 4, 192, 32, "eager"),
+                 ("qwen-0.5b-shaped, 1 layer", "qwen-0.5b", 1, 2, 192, 32, "sdpa")]
     print("\n## 1. re-scoring throughput vs this machine's matmul rate (same shapes)")
     print(f"{'model':>28} {'tokens':>7} {'fwd tok/s':>10} {'bound tok/s':>11} {'GFLOP/s':>8} {'of bound':>9}")
     results = {}
-    for label, kind, layers, n_rows, prompt_len, response_len in cases:
-        model = random_model(kind, layers)
+    for label, kind, layers, n_rows, prompt_len, response_len, attention in cases:
+        model = random_model(kind, layers, attention)
         prompts, responses = random_rows([(prompt_len, response_len)] * n_rows, model.config.vocab_size)
         bound, flops = matmul_bound(model.config, [prompt_len + response_len] * n_rows, n_rows * response_len)
         forward = lambda: seed.response_logprobs(model, prompts, responses, 0, max_batch_tokens=1 << 20)
@@ -375,13 +377,10 @@ def set_checkpointing(model, on):
         disable()
 
 
-def train_case(quick):
-    """(kind, layers, rows, prompt_len, response_len, micro-batch tokens) of the training-step section."""
-    return ("tiny", 4, 8, 224, 32, 512) if quick else ("qwen-0.5b", 4, 8, 224, 32, 512)
-
-
 def train_setup(quick):
-    kind, layers, n_rows, prompt_len, response_len, micro = train_case(quick)
+    """The training-step case: (description, tokens, model, one policy_update over all rows)."""
+    kind, layers, n_rows, prompt_len, response_len, micro = ("tiny", 4, 8, 224, 32, 512) if quick else \
+        ("qwen-0.5b", 4, 8, 224, 32, 512)
     model = random_model(kind, layers).train()
     prompts, responses = random_rows([(prompt_len, response_len)] * n_rows, model.config.vocab_size)
     advantages = torch.randn(n_rows, generator=torch.Generator().manual_seed(0))  # (B,)
@@ -389,7 +388,10 @@ def train_setup(quick):
 
     def step():
         seed.policy_update(bare_policy(model), optimizer, prompts, responses, advantages, None, max_batch_tokens=micro)
-    return model, step
+    tokens = n_rows * (prompt_len + response_len)
+    about = (f"{kind}-shaped, {layers} layers, {n_rows} rows x {prompt_len}+{response_len} tokens, micro-batches of "
+             f"{micro} tokens ({tokens // micro} accumulation steps)")
+    return about, tokens, model, step
 
 
 def rss_kb(field="VmRSS"):
@@ -401,31 +403,31 @@ def rss_kb(field="VmRSS"):
 def measure_peak_extra_mb(fn):
     """Peak resident memory above the current one while fn runs, in MB. The peak is reset first (clear_refs 5),
     so an earlier transient peak (imports, model construction) cannot leak into the figure."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # no peak reset here (some sandboxes): an earlier transient peak may then inflate the figure
+        pass
     before = rss_kb()
     result = fn()
     return (rss_kb("VmHWM") - before) / 1024, result
 
 
 def train_memory_child(checkpointing, quick):
-    model, step = train_setup(quick == "quick")
+    _, _, model, step = train_setup(quick == "quick")
     set_checkpointing(model, checkpointing == "on")
     print(json.dumps({"extra_mb": measure_peak_extra_mb(step)[0]}))
 
 
 def section_train(args):
     """(6) tokens/s of forward + backward with gradient accumulation; gradient checkpointing off / on."""
-    kind, layers, n_rows, prompt_len, response_len, micro = train_case(args.quick)
-    model, step = train_setup(args.quick)
+    about, tokens, model, step = train_setup(args.quick)
     variants = {}
     for name, on in (("off", False), ("on", True)):
         variants[name] = lambda on=on: (set_checkpointing(model, on), step())
     times = compare(variants, min(args.repeats, 3))
     memory = {name: run_child("train", name, "quick" if args.quick else "full")["extra_mb"] for name in variants}
-    tokens = n_rows * (prompt_len + response_len)
-    print(f"\n## 6. training step: {kind}-shaped, {layers} layers, {n_rows} rows x {prompt_len}+{response_len} tokens, "
-          f"micro-batches of {micro} tokens ({tokens // micro} accumulation steps)")
+    print(f"\n## 6. training step: {about}")
     for name in variants:
         print(f"checkpointing {name:>3}: {tokens / med(times[name]):>6.0f} tokens/s fwd+bwd, "
               f"peak extra memory {memory[name]:,.0f} MB")
