@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import copy
 import glob
+import inspect
 import io
 import json
 import os
@@ -84,12 +85,14 @@ def random_model(kind, layers=None, attn=None, dtype=torch.float32, device="cpu"
     config = Qwen2Config(**sizes, tie_word_embeddings=True, max_position_embeddings=32768, pad_token_id=0)
     config._attn_implementation = attn or ("eager" if kind == "tiny" else "sdpa")
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # built where it runs: a 3B model is not first made in CPU memory
+        model = Qwen2ForCausalLM(config)
+    return model.to(dtype).eval()
 
 
 def bare_policy(model):
     """What sample() and policy_update() read from a Policy, for a model without a tokenizer."""
-    names = model.forward.__code__.co_varnames
+    names = inspect.signature(model.forward).parameters
     return types.SimpleNamespace(model=model, device=next(model.parameters()).device, pad_id=0, stop_ids=[1],
                                  cache_kwarg="cache" if "cache" in names else "past_key_values")
 
