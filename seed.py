@@ -21,6 +21,7 @@ Departures from the paper: the invalid-format penalty is added to the episode sc
 verl-agent), and one PPO epoch over the batch is the only mode (the authors' setting). Command: see
 train.py.
 """
+import contextlib
 import inspect
 import json
 import math
@@ -400,11 +401,73 @@ def response_mask(responses, device="cpu"):
     return (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
 
 
+VARLEN_ATTENTION = "seed_varlen"
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, cu_seq_lens_q=None, **kwargs):
+    """Causal attention of each packed sequence with itself only, one SDPA call per sequence: sum(L_i^2) work and no
+    mask, where a packed row through HF's eager / SDPA paths gets an (N, N) block-diagonal mask (N^2 time and
+    memory; 4 GB of attention weights per layer at N = 16k). query (1, H, N, D), key/value (1, KV, N, D),
+    cu_seq_lens_q (S + 1,) sequence starts -> (1, N, H, D), the layout of HF's attention functions."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)  # (1, H, N, D)
+    bounds = cu_seq_lens_q.tolist()
+    out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling)
+        for a, b in zip(bounds[:-1], bounds[1:])], dim=2)                            # (1, H, N, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def packed_attention(model):
+    """Run the model's attention as varlen_attention inside the block (flash attention already reads packed
+    sequences from the cu_seq_lens kwargs, so it is left alone)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    config, previous = model.config, model.config._attn_implementation
+    if str(previous).startswith("flash"):
+        yield
+        return
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, lambda *args, **kwargs: None)  # no (N, N) mask is built
+    config._attn_implementation = VARLEN_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def packed_logits(model, prompts, responses):
+    """All rows in one (1, N) sequence (per-sequence position ids, varlen attention), the LM head only on the
+    positions that predict a response token. Returns (logits (n, V), targets (n,), rows (n,), columns (n,)):
+    n = total response tokens, (rows, columns) where each lands in a (B, R) response-aligned tensor."""
+    if vlm.has_images(prompts):
+        raise ValueError("the packed layout does not carry images: use --layout padded with a vision env")
+    device = next(model.parameters()).device
+    ids, positions, keep, slots, starts = [], [], [], [], [0]
+    for row, (prompt, response) in enumerate(zip(prompts, responses)):
+        start = len(ids)
+        ids += list(prompt) + list(response)
+        positions += list(range(len(prompt) + len(response)))
+        keep += range(start + len(prompt) - 1, start + len(prompt) + len(response) - 1)
+        slots += [(row, t) for t in range(len(response))]
+        starts.append(len(ids))
+    bounds = torch.tensor(starts, device=device, dtype=torch.int32)                  # (S + 1,)
+    longest = max(b - a for a, b in zip(starts[:-1], starts[1:]))
+    with packed_attention(model):
+        out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
+                    attention_mask=None, use_cache=False, logits_to_keep=torch.tensor(keep, device=device),
+                    cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+    targets = torch.tensor([t for r in responses for t in r], dtype=torch.long, device=device)  # (n,)
+    rows, cols = (torch.tensor(x, dtype=torch.long, device=device) for x in zip(*slots)) if slots else (targets, targets)
+    return out.logits[0], targets, rows, cols
+
+
 def forward_logits(model, prompts, responses, pad_id, layout="padded"):
     """Logits that predict each response token. Returns (logits (B, R, V), targets (B, R)).
     padded: prompts left-padded, responses right-padded, position_ids = cumsum(mask) - 1, and only the
-    R+1 last positions go through the LM head. packed: all rows in one (1, N) sequence with
-    per-sequence position ids and no attention mask (exact on eager and SDPA, REFERENCE section 5)."""
+    R+1 last positions go through the LM head. packed: packed_logits re-padded to (B, R, V) (forward_logprobs
+    scores packed rows without that tensor)."""
     device = next(model.parameters()).device
     width = max(1, max(len(r) for r in responses))
     targets = torch.full((len(responses), width), pad_id, dtype=torch.long)
@@ -424,22 +487,23 @@ def forward_logits(model, prompts, responses, pad_id, layout="padded"):
         return logits, targets
     if layout != "packed":
         raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
-    if vlm.has_images(prompts):
-        raise ValueError("the packed layout does not carry images: use --layout padded with a vision env")
-    ids, positions, keep, slots = [], [], [], []
-    for row, (prompt, response) in enumerate(zip(prompts, responses)):
-        start = len(ids)
-        ids += list(prompt) + list(response)
-        positions += list(range(len(prompt) + len(response)))
-        keep += range(start + len(prompt) - 1, start + len(prompt) + len(response) - 1)
-        slots += [(row, t) for t in range(len(response))]
-    out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
-                attention_mask=None, use_cache=False, logits_to_keep=torch.tensor(keep, device=device))
-    logits = out.logits.new_zeros(len(responses), width, out.logits.shape[-1])      # (B, R, V)
-    if slots:
-        rows, cols = (torch.tensor(x, device=device) for x in zip(*slots))
-        logits = logits.index_put((rows, cols), out.logits[0])
-    return logits, targets
+    flat, _, rows, cols = packed_logits(model, prompts, responses)                 # (n, V)
+    logits = flat.new_zeros(len(responses), width, flat.shape[-1])                  # (B, R, V)
+    return logits.index_put((rows, cols), flat), targets
+
+
+def forward_logprobs(model, prompts, responses, pad_id, temperature=1.0, layout="padded", entropy=False):
+    """Differentiable per-token log-probs (B, R) of the responses at the temperature, and their entropies (B, R)
+    when asked (else None). The packed layout scores the flat (n, V) logits of the n response tokens and places
+    the results, never building forward_logits' mostly-padding (B, R, V) tensor."""
+    if layout == "packed":
+        flat, targets, rows, cols = packed_logits(model, prompts, responses)        # (n, V), (n,)
+        place = lambda x: x.new_zeros(len(responses), max(1, max(map(len, responses)))).index_put((rows, cols), x)
+        logp = place(L.token_logprobs(flat, targets, temperature))                  # (B, R)
+        return logp, place(L.entropy_from_logits(flat, temperature)) if entropy else None
+    logits, targets = forward_logits(model, prompts, responses, pad_id, layout)     # (B, R, V)
+    logp = L.token_logprobs(logits, targets, temperature)                           # (B, R)
+    return logp, L.entropy_from_logits(logits, temperature) if entropy else None
 
 
 def response_logprobs(model, prompts, responses, pad_id, temperature=1.0, layout="padded", max_batch_tokens=16384,
@@ -452,9 +516,8 @@ def response_logprobs(model, prompts, responses, pad_id, temperature=1.0, layout
     with torch.no_grad():
         for rows in tqdm(micro_batches(prompts, responses, max_batch_tokens), desc=desc, leave=False,
                          disable=desc is None):
-            logits, targets = forward_logits(model, [prompts[i] for i in rows], [responses[i] for i in rows],
-                                             pad_id, layout)
-            logp = L.token_logprobs(logits, targets, temperature)                   # (b, r)
+            logp, _ = forward_logprobs(model, [prompts[i] for i in rows], [responses[i] for i in rows], pad_id,
+                                       temperature, layout)                         # (b, r)
             result[rows, :logp.shape[1]] = logp.float().cpu()
     model.train(was_training)
     return result * response_mask(responses)
@@ -574,10 +637,9 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
         pick = lambda x: None if x is None else x[rows, :width].to(device)
         micro_mask = mask[rows, :width].to(device)                                  # (b, r)
         weight = (micro_mask.sum() if aggregation == "token-mean" else (micro_mask.sum(1) > 0).sum()) / total.clamp(min=1)
-        logits, targets = forward_logits(model, [prompts[i] for i in rows], [responses[i] for i in rows],
-                                         policy.pad_id, layout)
-        logp = L.token_logprobs(logits, targets, temperature)                       # (b, r)
-        entropy = L.entropy_from_logits(logits, temperature) if loss_kwargs.get("entropy_coef", 0) else None
+        logp, entropy = forward_logprobs(model, [prompts[i] for i in rows], [responses[i] for i in rows],
+                                         policy.pad_id, temperature, layout,
+                                         entropy=bool(loss_kwargs.get("entropy_coef", 0)))  # (b, r) each
         taught = None if has_teacher is None else micro_mask * has_teacher[rows].to(device)[:, None]  # (b, r)
         old = logp.detach() if old_logp is None else pick(old_logp)  # same weights: ratio exactly 1
         loss, metrics = L.seed_loss(logp, old, advantages[rows].to(device)[:, None], micro_mask,
