@@ -174,9 +174,6 @@ def build_tiny_policy(corpus, out_dir, vocab_size=2048, seed=0, **sizes):
     config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=None, **{**TINY_SIZES, **sizes})
-    # eager attention: at this width it runs 3-5x faster than SDPA on a CPU (SDPA's CPU kernels pay off on
-    # wide heads; measured in bench.py); HF models keep their own default
-    config._attn_implementation = "eager"
     model = Qwen2ForCausalLM(config)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
