@@ -1623,6 +1623,19 @@ def test_grpo_update_changes_weights_only_with_a_reward_signal(tiny, trajectorie
     assert metrics["grad_norm"] > 0 and change > 1e-5, f"GRPO update: max weight change {change}"
 
 
+
+def test_advantage_norms():
+    """group: each task's std (GRPO); batch: one std over the update, so an all-failed group whose rollouts
+    differ only by a 0.1 format penalty keeps advantages ~0 instead of +-1; none: centred scores (Dr. GRPO)."""
+    scores = [10.0, 0.0, 0.0, 0.0, 0.0, -0.1, 0.0, 0.0]  # task 0: one win; task 1: all failed, one penalty
+    trajectories = [{"reward": r, "group": i // 4} for i, r in enumerate(scores)]
+    group, batch, none = (seed.trajectory_advantages(trajectories, norm) for norm in ("group", "batch", "none"))
+    assert max_diff(none, torch.tensor([7.5, -2.5, -2.5, -2.5, 0.025, -0.075, 0.025, 0.025])) < 1e-5, none
+    assert abs(group[5].item() + 1.5) < 1e-4 and abs(group[0].item() - 1.5) < 1e-4, group  # the penalty blown up
+    assert max_diff(batch, none / none.std()) < 1e-6, batch
+    assert batch[4:].abs().max() < 0.03 < 1.0 < batch[0], f"the all-failed group should stay ~0: {batch}"
+
+
 # ----------------------------------------------------------------------------- packed == padded
 
 def test_packed_equals_padded_logprobs(tiny, trajectories):
