@@ -94,7 +94,7 @@ def get_config(argv=None):
     add("--agg", default="token-mean", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"],
         help="loss aggregation")
     # optimisation
-    add("--lr", type=float, default=None, help="learning rate (default: 1e-6 for HF models, 2e-4 for tiny)")
+    add("--lr", type=float, default=None, help="learning rate (default: 1e-6 for HF models, 1e-4 for tiny)")
     add("--advantage-norm", default=None, choices=["group", "batch", "none"],
         help="GRPO advantage scale: group std (paper), batch std (default for tiny: all-failed groups stay ~0), "
              "none (Dr. GRPO); default group for HF models")
@@ -133,7 +133,7 @@ def get_config(argv=None):
         p.error(f"--max-steps must be at least 1, got {cfg.max_steps}")
     check_config(cfg, p.error)
     if cfg.lr is None:
-        cfg.lr = 2e-4 if cfg.model == "tiny" else 1e-6
+        cfg.lr = 1e-4 if cfg.model == "tiny" else 1e-6
     if cfg.advantage_norm is None:
         cfg.advantage_norm = "batch" if cfg.model == "tiny" else "group"
     if cfg.mini_batches is None:
