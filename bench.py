@@ -79,11 +79,11 @@ med = statistics.median
 
 
 def random_model(kind, layers=None, attn=None, dtype=torch.float32, device="cpu"):
-    """A random-weight Qwen2ForCausalLM of a SHAPES entry (eager attention for tiny, SDPA otherwise)."""
+    """A random-weight Qwen2ForCausalLM of a SHAPES entry (SDPA, as load_policy gives every model, unless asked)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     sizes = dict(SHAPES[kind], **({"num_hidden_layers": layers} if layers else {}))
     config = Qwen2Config(**sizes, tie_word_embeddings=True, max_position_embeddings=32768, pad_token_id=0)
-    config._attn_implementation = attn or ("eager" if kind == "tiny" else "sdpa")
+    config._attn_implementation = attn or "sdpa"
     torch.manual_seed(0)
     with torch.device(device):  # built where it runs: a 3B model is not first made in CPU memory
         model = Qwen2ForCausalLM(config)
