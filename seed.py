@@ -9,8 +9,11 @@ What is here (no training loop, no argument parsing; train.py drives these):
     sampled tokens, their mask and their log-probs;
   * `rollout`: N tasks x G rollouts stepped together; `analyze`: the SAME weights turn every finished
     trajectory into a hindsight skill (skills.analyzer_prompt -> generate -> skills.parse_skill);
-  * `response_logprobs`: re-scores given response tokens under any prompts, padded or packed layout;
-  * `policy_update`: micro-batched PPO-clip + SEED loss (loss.seed_loss) with gradient accumulation.
+  * `response_logprobs`: re-scores given response tokens under any prompts, padded or packed layout
+    (packed rows run per-sequence varlen attention and are scored on their flat response logits);
+  * `policy_update`: micro-batched PPO-clip + SEED loss (loss.seed_loss) with gradient accumulation, and
+    `ppo_update`: K such optimizer steps on random parts of the rows (verl's PPO mini-batches);
+  * env calls guarded by a timeout: an env that raises or hangs is rebuilt and its trajectory dropped.
 
 Layout convention: every per-token tensor is response-aligned, (B, R) with R the longest response of
 the batch, and `mask` is 1 exactly on policy-sampled tokens. The mask is made by the sampler (tokens it
@@ -18,8 +21,9 @@ emitted before and including end-of-turn); prompts, observations and skill text 
 tensors, so student and teacher rows align token for token whatever their prompt lengths.
 
 Departures from the paper: the invalid-format penalty is added to the episode score before GRPO (as in
-verl-agent), and one PPO epoch over the batch is the only mode (the authors' setting). Command: see
-train.py.
+verl-agent); one PPO epoch over the batch is the only mode (the authors' setting), split into
+mini-batches as verl does; `trajectory_advantages` can also scale by one std over the whole update
+(`--advantage-norm batch`, the tiny model's default). Command: see train.py.
 """
 import contextlib
 import inspect
