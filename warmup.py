@@ -28,7 +28,7 @@ import seed
 import skills
 import vlm
 
-WARMUP_VERSION = 2  # bump when the demonstrations change, so stale caches are not reused
+WARMUP_VERSION = 3  # bump when the demonstrations change, so stale caches are not reused
 VISION_ENVS = ("vision", "miniwob")  # screenshot observations: the tiny model is a Qwen2-VL (vlm.build_tiny_vlm)
 
 
@@ -97,18 +97,25 @@ def subgoal(gt, holding, transformed, action=""):
 
 def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="household", skill=None):
     """Play one episode with the env's expert. The executed action is the expert's with probability
-    1 - epsilon (else a random admissible one); every step is labelled with the expert's own choice.
+    1 - epsilon (else a random admissible one; and with probability epsilon / 2 a command that was admissible
+    earlier but is not now, which the env answers "Nothing happens."); every step is labelled with the
+    expert's own choice, so the data shows how to recover from a random or an invalid command.
     With `skill`, the oracle expert acts (it knows where objects are, as the skill tells) and prompts
     carry the skill block. Returns (trajectory, labelled examples [(prompt, response)])."""
     observation, info = env.reset(task_seed)
     trajectory = {"task": info["task"], "task_type": info.get("task_type"), "won": False, "reward": 0.0,
                   "steps": [], "gt": None}
-    history, examples, pending, done = [], [], [], False
+    history, examples, pending, done, earlier = [], [], [], False, set()
     while not done:
         prompt = vlm.user_message(seed.render_prompt(info["task"], history, vlm.observation_text(observation),
                                                      info.get("admissible", []), history_window, env_name), observation)
         best = env.expert_action(0.0, oracle=skill is not None)
         action = env.expert_action(epsilon, rng, oracle=skill is not None)
+        admissible = set(info.get("admissible", []))
+        stale = sorted(earlier - admissible)  # once admissible, not now: "go to" where it stands, a gone object
+        if stale and rng.random() < epsilon / 2:
+            action = rng.choice(stale)  # an invalid command ("Nothing happens."), so the data shows recoveries
+        earlier |= admissible
         pending.append((prompt if skill is None else vlm.same_image(prompt, skills.with_skill(prompt, skill)), best,
                         action))
         previous = vlm.observation_text(observation)
