@@ -2079,6 +2079,23 @@ def test_bad_sizes_are_clean_argparse_errors(flags, message, capsys):
 # warmup.py and experiment.py: the tiny model learns the format; the experiment and the delta picture run
 # =============================================================================
 
+def test_demonstrations_show_invalid_commands_and_recoveries():
+    """Noisy demonstrations execute some commands that are no longer admissible (the env answers "Nothing
+    happens.") but label every step with the expert's admissible command, so the data shows the recovery."""
+    env = envs.make_env("household", "train", 0)
+    rng, invalid, labelled = random.Random(0), 0, 0
+    for task_seed in range(12):
+        trajectory, examples = warmup.expert_episode(env, task_seed, 0.6, rng, history_window=3)
+        invalid += sum(not step["valid"] for step in trajectory["steps"])
+        for prompt, completion in examples:
+            action = seed.parse_action(completion)
+            admissible = prompt[prompt.index("Your admissible actions"):]
+            assert f"'{action}'" in admissible, f"label {action!r} is not admissible at its step"
+            labelled += 1
+    assert invalid > 0, "no invalid command was executed in 12 noisy episodes"
+    print(f"\n{invalid} invalid commands executed, {labelled} steps labelled with admissible expert commands")
+
+
 def test_short_warmup_teaches_the_action_format(tiny):
     """200 supervised steps on expert demonstrations: greedy responses on held-out prompts carry a parseable
     <action> (the random model's do not)."""
