@@ -253,7 +253,7 @@ class HouseholdEnv:
         self.lamp_on, self.won, self.done, self.steps = False, False, False, 0
         self.invalid_steps, self.events = [], []
         self.start_locations = dict(self.where)
-        self._expert_plan, self._oracle = [], False
+        self._expert_plan, self._oracle, self._skip_transform = [], False, False
         self._commands = self._admissible_commands()
         # ALFWorld lists kinds alphabetically and, from its id mangling, each kind's numbers in descending order.
         listed = sorted(self.receptacles, key=lambda r: (kind_of(r), -int(r.rsplit(" ", 1)[1])))
@@ -393,10 +393,12 @@ class HouseholdEnv:
         return any(n >= needed for n in per_receptacle.values())
 
     # ---- expert ----
-    def expert_action(self, epsilon=0.0, rng=None, oracle=False):
+    def expert_action(self, epsilon=0.0, rng=None, oracle=False, skip_transform=False):
         """The expert's next command; with probability epsilon a different admissible one (noisy demos).
-        oracle=True: the expert already knows where every object is (what a hindsight skill tells it)."""
-        self._oracle = oracle
+        oracle=True: the expert already knows where every object is (what a hindsight skill tells it).
+        skip_transform=True: a sub-optimal demonstrator's habit, it carries the object straight to the target
+        without heating, cooling or cleaning it (the warm-up's failures that RL must unlearn)."""
+        self._oracle, self._skip_transform = oracle, skip_transform
         best = self._expert_command()
         rng = rng or self._noise_rng
         if epsilon > 0 and rng.random() < epsilon:
@@ -441,7 +443,7 @@ class HouseholdEnv:
             home = self.location if self.location in homes else homes[0]
             return self._act_at(home, f"move {held} to {home}")
         if held is not None:
-            if self.task_type in TRANSFORMS:
+            if self.task_type in TRANSFORMS and not self._skip_transform:
                 verb, appliance, prop = TRANSFORMS[self.task_type]
                 if prop not in self.properties[held]:
                     return self._act_at(f"{appliance} 1", f"{verb} {held} with {appliance} 1")

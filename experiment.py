@@ -15,6 +15,7 @@ go to every train.py run (e.g. -- --distill-coef 0.1 --distill-mode gated).
 import argparse
 import html
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,37 +44,35 @@ def spread(values):
     return (statistics.mean(values), statistics.pstdev(values)) if values else (float("nan"), float("nan"))
 
 
+METRICS = (("micro", "success"), ("habit_unlearned", "habit unlearned"))  # eval.jsonl keys, what they mean
+
+
 def summarise(args, runs):
-    """Markdown table: success on both splits vs training episodes, mean +- std over seeds."""
+    """Markdown tables: success (and, on the household env, how far the warm-up's skip habit is unlearned) on
+    both splits vs training episodes, mean +- std over seeds; episodes SEED needs to reach GRPO's final value."""
     config = json.load(open(os.path.join(runs[0][2], "config.json")))
     per_update = config["tasks_per_update"] * config["group_size"]
-    lines = [f"# SEED vs GRPO on the household env ({len(args.seeds)} seeds, {per_update} episodes per update)", "",
-             "| algo | split | " + " | ".join(f"{u * per_update} ep" for u in evaluation_updates(runs)) + " |",
-             "|---|---|" + "---|" * len(evaluation_updates(runs))]
+    updates = evaluation_updates(runs)
+    lines = [f"# SEED vs GRPO on the household env ({len(args.seeds)} seeds, {per_update} episodes per update)"]
     curves = {}
-    for algo in args.algos:
-        for split in ("valid_seen", "valid_unseen"):
-            row = []
-            for update in evaluation_updates(runs):
-                values = [r["micro"] for a, _, d in runs if a == algo for r in read_jsonl(os.path.join(d, "eval.jsonl"))
-                          if r["split"] == split and r["update"] == update]
-                mean, std = spread(values)
-                curves.setdefault((algo, split), []).append((update * per_update, mean, std))
-                row.append(f"{mean:.3f} ± {std:.3f}")
-            lines.append(f"| {algo} | {split} | " + " | ".join(row) + " |")
-    lines += ["", "Episodes to reach GRPO's final success (valid_seen, mean over seeds):"]
-    if ("grpo", "valid_seen") in curves and ("seed", "valid_seen") in curves:
-        start, target = curves[("grpo", "valid_seen")][0][1], curves[("grpo", "valid_seen")][-1][1]
-        grpo_episodes = curves[("grpo", "valid_seen")][-1][0]
-        if target <= start:  # nothing to reach: the comparison would credit SEED with its own starting point
-            lines.append(f"GRPO did not improve on the warm-start ({start:.3f} -> {target:.3f} after {grpo_episodes} "
-                         "episodes), so there is no episodes-to-reach comparison")
-        else:
-            reached = next((episodes for episodes, mean, _ in curves[("seed", "valid_seen")][1:] if mean >= target),
-                           None)
-            lines.append(f"GRPO final {target:.3f} after {grpo_episodes} episodes; SEED reaches it after "
-                         + (f"{reached} episodes ({1 - reached / max(1, grpo_episodes):.0%} fewer)"
-                            if reached is not None else "never within the budget"))
+    for metric, name in METRICS:
+        rows = []
+        for algo in args.algos:
+            for split in ("valid_seen", "valid_unseen"):
+                row = []
+                for update in updates:
+                    values = [r[metric] for a, _, d in runs if a == algo
+                              for r in read_jsonl(os.path.join(d, "eval.jsonl"))
+                              if r["split"] == split and r["update"] == update and metric in r]
+                    mean, std = spread(values)
+                    curves.setdefault((metric, algo, split), []).append((update * per_update, mean, std))
+                    row.append(f"{mean:.3f} ± {std:.3f}")
+                rows.append(f"| {algo} | {split} | " + " | ".join(row) + " |")
+        if all(math.isnan(mean) for (m, _, _), points in curves.items() if m == metric for _, mean, _ in points):
+            continue  # not measured on this env (the habit probe is household-only)
+        lines += ["", f"{name}:", "", "| algo | split | " + " | ".join(f"{u * per_update} ep" for u in updates) + " |",
+                  "|---|---|" + "---|" * len(updates)] + rows
+        lines += ["", f"Episodes to reach GRPO's final {name} (valid_seen, mean over seeds): " + reach(curves, metric)]
     lines += ["", "| algo | parse_fail (first -> last update) | delta_abs_mean | teacher_token_share | adv_mean |",
               "|---|---|---|---|---|"]
     for algo in args.algos:
@@ -92,6 +91,28 @@ def summarise(args, runs):
     plot(args, curves)
 
 
+def reach(curves, metric):
+    """How many episodes SEED needs to reach GRPO's final mean on valid_seen (linear between evaluations),
+    as one sentence."""
+    grpo, seed_curve = curves.get((metric, "grpo", "valid_seen")), curves.get((metric, "seed", "valid_seen"))
+    if not grpo or not seed_curve:
+        return "needs both algorithms"
+    start, (budget, target, spread_over_seeds) = grpo[0][1], grpo[-1]
+    if target <= start:  # nothing to reach: the comparison would credit SEED with its own starting point
+        return f"GRPO did not improve on the warm-start ({start:.3f} -> {target:.3f} after {budget} episodes)"
+    if target - start <= spread_over_seeds:  # a gain inside the noise would make the comparison noise too
+        return (f"GRPO's gain ({start:.3f} -> {target:.3f} after {budget} episodes) is within its spread over "
+                f"seeds (± {spread_over_seeds:.3f}), so there is nothing to compare")
+    reached = None
+    for (x0, y0, _), (x1, y1, _) in zip(seed_curve, seed_curve[1:]):
+        if y1 >= target:
+            reached = x0 + (x1 - x0) * (target - y0) / (y1 - y0) if y1 > y0 and y0 < target else x1
+            break
+    return (f"GRPO {start:.3f} -> {target:.3f} after {budget} episodes; SEED "
+            + (f"reaches {target:.3f} after {reached:.0f} episodes ({1 - reached / max(1, budget):.0%} fewer; linear "
+               "between evaluations)" if reached is not None else f"does not reach {target:.3f} within {budget}"))
+
+
 def evaluation_updates(runs):
     return sorted({r["update"] for _, _, d in runs for r in read_jsonl(os.path.join(d, "eval.jsonl"))})
 
@@ -104,18 +125,21 @@ def plot(args, curves):
     except ImportError:
         print("matplotlib not installed: no plot (pip install matplotlib)")
         return
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for axis, split in zip(axes, ("valid_seen", "valid_unseen")):
-        for algo in args.algos:
-            points = curves.get((algo, split), [])
-            x, mean, std = zip(*points) if points else ([], [], [])
-            axis.plot(x, mean, marker="o", label=algo)
-            axis.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
-        axis.set_title(split)
-        axis.set_xlabel("training episodes")
-        axis.grid(alpha=0.3)
-    axes[0].set_ylabel("success rate")
-    axes[0].legend()
+    metrics = [(metric, name) for metric, name in METRICS
+               if any(not math.isnan(mean) for (m, _, _), points in curves.items() if m == metric for _, mean, _ in points)]
+    figure, axes = plt.subplots(len(metrics), 2, figsize=(10, 4 * len(metrics)), squeeze=False)
+    for (metric, name), axis_row in zip(metrics, axes):
+        for axis, split in zip(axis_row, ("valid_seen", "valid_unseen")):
+            for algo in args.algos:
+                points = curves.get((metric, algo, split), [])
+                x, mean, std = zip(*points) if points else ([], [], [])
+                axis.plot(x, mean, marker="o", label=algo)
+                axis.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+            axis.set_title(f"{name}, {split}")
+            axis.set_xlabel("training episodes")
+            axis.grid(alpha=0.3)
+        axis_row[0].set_ylabel(name)
+    axes[0][0].legend()
     path = os.path.join(args.root, "experiment.png")
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -716,7 +716,8 @@ def all_reduce_update(model, totals, skipped, device):
     return None
 
 
-def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0, prompt_weight=0.0):
+def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0, prompt_weight=0.0,
+                    layout="padded"):
     """One SFT step (warm-up and stage 1) on (prompt_text, completion_text) pairs: token-mean negative
     log-likelihood of the completion plus end-of-turn. prompt_weight > 0 adds that times the token-mean
     language-modelling loss on the prompt tokens (the tiny model's stand-in for pretraining: every token is
@@ -739,9 +740,8 @@ def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_cl
     model.train()
     optimizer.zero_grad(set_to_none=True)
     for rows in micro_batches(prompts, completions, max_batch_tokens):
-        logits, targets = forward_logits(model, [prompts[i] for i in rows], [completions[i] for i in rows],
-                                         policy.pad_id)
-        logp = L.token_logprobs(logits, targets)                                    # (b, r)
+        logp, _ = forward_logprobs(model, [prompts[i] for i in rows], [completions[i] for i in rows],
+                                   policy.pad_id, layout=layout)                    # (b, r)
         micro_loss = -(logp * weights[rows, :logp.shape[1]].to(logp.device)).sum()
         micro_loss.backward()
         value += float(-(logp.detach() * (answer[rows, :logp.shape[1]] / answer.sum()).to(logp.device)).sum())

@@ -2096,6 +2096,73 @@ def test_demonstrations_show_invalid_commands_and_recoveries():
     print(f"\n{invalid} invalid commands executed, {labelled} steps labelled with admissible expert commands")
 
 
+def test_habit_demonstrations_skip_the_transform_and_stop_at_the_placement():
+    """habit_rate 1: on heat/cool/clean tasks the labels carry the object straight to the target, the
+    demonstration ends at that placement, and the annotator names the mistake; habit_rate 0 transforms first.
+    The skill-following demonstrations never have the habit."""
+    env = envs.make_env("household", "train", 0)
+    rng, habit_tasks = random.Random(0), 0
+    for task_seed in range(40):
+        with_habit, examples = warmup.expert_episode(env, task_seed, 0.0, rng, 3, habit_rate=1.0)
+        without, _ = warmup.expert_episode(env, task_seed, 0.0, rng, 3, habit_rate=0.0)
+        actions = [step["action"].split()[0] for step in with_habit["steps"]]
+        if with_habit["task_type"] not in warmup.HABIT_TASKS:
+            assert with_habit["won"] and actions == [step["action"].split()[0] for step in without["steps"]]
+            continue
+        habit_tasks += 1
+        verb = envs.TRANSFORMS[with_habit["task_type"]][0]
+        assert not with_habit["won"] and actions[-1] == "move" and verb not in actions, actions
+        assert seed.parse_action(examples[-1][1]).startswith("move ") and "put the" in examples[-1][1]
+        assert without["won"] and verb in [step["action"].split()[0] for step in without["steps"]]
+        summary = json.loads(skills.annotate(with_habit))["episode_summary"]
+        assert "before it was" in summary, summary
+        skill = skills.parse_skill(skills.annotate(with_habit), task=with_habit["task"])
+        followed, _ = warmup.expert_episode(env, task_seed, 0.0, rng, 3, skill=skill, habit_rate=1.0)
+        assert followed["won"], [step["action"] for step in followed["steps"]]
+    assert habit_tasks >= 8, habit_tasks
+
+
+def test_habit_probe_reads_the_decision_and_moves_with_training(tiny):
+    """habit_decisions: the state right after taking the goal object on heat/cool/clean tasks, the right
+    response walking to the appliance and the habit's to the target; habit_probe rises when the right
+    responses are trained in."""
+    decisions = warmup.habit_decisions("valid_seen", 8)
+    assert len(decisions) == 8
+    for prompt, right, habit in decisions:
+        assert "take " in prompt and right != habit
+        assert any(f"<think>{verb} the" in right for verb in ("heat", "cool", "clean")), right
+        assert "<think>put the" in habit and seed.parse_action(habit).startswith(("go to", "move", "open")), habit
+    probes = {}
+    for column, name in ((1, "right"), (2, "habit")):  # the same random model trained on either response
+        policy = seed.load_policy(tiny[1])
+        torch.manual_seed(0)
+        warmup.supervised_training(policy, [(1.0, [(d[0], d[column]) for d in decisions])], steps=40, batch_size=8,
+                                   lr=5e-3, max_batch_tokens=16384)
+        probes[name] = warmup.habit_probe(policy, decisions)
+    print(f"\nhabit probe {probes['right']:.3f} trained on the right responses, {probes['habit']:.3f} on the habit's")
+    assert probes["right"] > 0.8 and probes["habit"] < 0.2, probes
+
+
+def test_packed_supervised_step_matches_padded(tiny):
+    """The warm-up's packed SFT step (uneven rows, prompt loss on) gives the padded step's loss and update."""
+    _, folder = tiny
+    policy = seed.load_policy(folder)
+    act, _, analyzed = warmup.demonstrations(envs.make_env("household", "train", 0), 4, 3, seed_value=3)
+    examples = act[:5] + warmup.analyzer_examples(policy, analyzed[:2], 1024)
+    losses, weights = {}, {}
+    for layout in ("padded", "packed"):
+        policy = seed.load_policy(folder)
+        optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)  # the step is the clipped gradient
+        losses[layout] = seed.supervised_step(policy, optimizer, examples, prompt_weight=0.3, layout=layout)
+        weights[layout] = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
+    start = torch.cat([p.detach().flatten() for p in seed.load_policy(folder).model.parameters()])
+    moved = (weights["padded"] - start).abs().max().item()
+    difference = (weights["padded"] - weights["packed"]).abs().max().item()
+    print(f"\nloss padded {losses['padded']:.6f} packed {losses['packed']:.6f}; max weight difference {difference:.2e}, "
+          f"largest move {moved:.2e}")
+    assert abs(losses["padded"] - losses["packed"]) < 1e-4 and difference < 1e-5 and moved > 1e-4
+
+
 def test_short_warmup_teaches_the_action_format(tiny):
     """200 supervised steps on expert demonstrations: greedy responses on held-out prompts carry a parseable
     <action> (the random model's do not)."""
@@ -2115,6 +2182,17 @@ def test_short_warmup_teaches_the_action_format(tiny):
     warmup.supervised_training(policy, [(1.0, act)], steps=200, batch_size=8, lr=5e-3, max_batch_tokens=16384)
     after = format_rate()
     assert before < 0.5 and after >= 0.75, f"action-format rate {before:.2f} before, {after:.2f} after warm-up"
+
+
+def test_episodes_to_reach_interpolates_and_refuses_gains_inside_the_noise():
+    import experiment
+    curves = {("m", "grpo", "valid_seen"): [(0, 0.3, 0), (160, 0.4, 0), (320, 0.55, 0)],
+              ("m", "seed", "valid_seen"): [(0, 0.3, 0), (160, 0.5, 0), (320, 0.7, 0)]}
+    assert "reaches 0.550 after 200 episodes (37% fewer" in experiment.reach(curves, "m"), experiment.reach(curves, "m")
+    curves[("m", "grpo", "valid_seen")][-1] = (320, 0.35, 0.08)
+    assert "within its spread" in experiment.reach(curves, "m")
+    curves[("m", "grpo", "valid_seen")][-1] = (320, 0.25, 0)
+    assert "did not improve" in experiment.reach(curves, "m")
 
 
 def test_experiment_smoke_writes_the_table(tmp_path):

@@ -4,7 +4,9 @@ warmup.py: what a pretrained instruct model brings, taught to the tiny model; an
 `--model tiny` starts from random weights, so before RL it is taught, by supervised learning on
 demonstrations in the real prompt format, the three things SEED assumes an instruct model can do:
   1. act: behaviour cloning of the household expert (a searching expert that does not know where things
-     are) on states visited by an epsilon-noisy version of it, so the data covers recoveries;
+     are) on states visited by an epsilon-noisy version of it, so the data covers recoveries; on heat/cool/
+     clean tasks 60% of the demonstrators have a bad habit (they skip that step), which the greedy warm-start
+     inherits: the room RL has to improve, measured by habit_probe in every household evaluation;
   2. follow a skill: the same prompts with a hindsight skill inserted (skills.with_skill), labelled with
      an oracle expert that knows what the skill says (where the object was), so a skill in the context
      changes the action probabilities the way it would for an instruct model;
@@ -13,8 +15,10 @@ The result is cached under --cache-dir keyed by the settings, so later runs star
 Stage 1 for any model (`stage1_sft`) is step 3 alone, on the annotator's outputs or a user's JSONL.
 
 Departures from the paper: the paper starts from Qwen2.5-Instruct and annotates with a strong LLM; the
-tiny model's warm-up and the rule-based annotator stand in for both. Run: python train.py (calls this).
+tiny model's warm-up and the rule-based annotator stand in for both, and the planted habit stands in for the
+instruct model's own wrong priors about an environment it has never seen. Run: python train.py (calls this).
 """
+import functools
 import hashlib
 import json
 import os
@@ -28,7 +32,11 @@ import seed
 import skills
 import vlm
 
-WARMUP_VERSION = 3  # bump when the demonstrations change, so stale caches are not reused
+WARMUP_VERSION = 4  # bump when the demonstrations change, so stale caches are not reused
+HABIT_TASKS = ("pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_clean_then_place_in_recep")
+# share of those tasks' demonstrations with the skip habit: above one half, so the warm-started greedy policy
+# has the habit (RL's room to improve) while sampled rollouts still find the right workflow often
+HABIT_RATE = 0.6
 VISION_ENVS = ("vision", "miniwob")  # screenshot observations: the tiny model is a Qwen2-VL (vlm.build_tiny_vlm)
 
 
@@ -95,25 +103,37 @@ def subgoal(gt, holding, transformed, action=""):
     return f"put the {obj} in the {gt.get('goal_receptacle') or 'target'}"
 
 
-def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="household", skill=None):
+def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="household", skill=None, habit_rate=0.0):
     """Play one episode with the env's expert. The executed action is the expert's with probability
     1 - epsilon (else a random admissible one; and with probability epsilon / 2 a command that was admissible
     earlier but is not now, which the env answers "Nothing happens."); every step is labelled with the
     expert's own choice, so the data shows how to recover from a random or an invalid command.
+    habit_rate: on heat/cool/clean tasks, the chance that this episode's demonstrator has the bad habit of
+    skipping that step (envs expert skip_transform); its labels carry the object straight to the target and
+    the demonstration stops at that placement (the demonstrator thinks it is done), so the policy learns the
+    habit as a habit and never sees it repaired. RL has to unlearn it; a skill that says "heat it first" (the
+    skill-following demonstrations never have the habit) shows how.
     With `skill`, the oracle expert acts (it knows where objects are, as the skill tells) and prompts
     carry the skill block. Returns (trajectory, labelled examples [(prompt, response)])."""
     observation, info = env.reset(task_seed)
+    habit = info.get("task_type") in HABIT_TASKS and rng.random() < habit_rate and skill is None  # a skill cures it
+    oracle = skill is not None
+
+    def expert(noise, noise_rng=None, skip=habit):  # skip_transform only where needed: other envs' experts lack it
+        return env.expert_action(noise, noise_rng, oracle=oracle, **({"skip_transform": True} if skip else {}))
+
     trajectory = {"task": info["task"], "task_type": info.get("task_type"), "won": False, "reward": 0.0,
                   "steps": [], "gt": None}
     history, examples, pending, done, earlier = [], [], [], False, set()
     while not done:
         prompt = vlm.user_message(seed.render_prompt(info["task"], history, vlm.observation_text(observation),
                                                      info.get("admissible", []), history_window, env_name), observation)
-        best = env.expert_action(0.0, oracle=skill is not None)
-        action = env.expert_action(epsilon, rng, oracle=skill is not None)
+        best = expert(0.0)
+        skipping = habit and best.startswith("move ") and best != expert(0.0, skip=False)
+        action = best if skipping else expert(epsilon, rng)
         admissible = set(info.get("admissible", []))
         stale = sorted(earlier - admissible)  # once admissible, not now: "go to" where it stands, a gone object
-        if stale and rng.random() < epsilon / 2:
+        if stale and not skipping and rng.random() < epsilon / 2:
             action = rng.choice(stale)  # an invalid command ("Nothing happens."), so the data shows recoveries
         earlier |= admissible
         pending.append((prompt if skill is None else vlm.same_image(prompt, skills.with_skill(prompt, skill)), best,
@@ -124,11 +144,13 @@ def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="house
                                     "valid": bool(info.get("valid", True)), "response": None})
         trajectory["reward"] += float(reward)
         history.append((previous, action))
+        while skipping and not done:  # the habit's placement ends the demonstration; "look" runs out the
+            observation, _, done, info = env.step("look")  # clock unrecorded, for the env's ground truth
     trajectory["won"], trajectory["gt"] = bool(info.get("won")), info.get("gt") or {}
     # the <think> text needs the goal from the ground truth, known at the end: fill responses now
     holding = transformed = False
     for step, (prompt, best, action) in zip(trajectory["steps"], pending):
-        think = subgoal(trajectory["gt"], holding, transformed, best.lower())
+        think = subgoal(trajectory["gt"], holding, transformed or habit, best.lower())
         examples.append((prompt, f"<think>{think}</think><action>{best}</action>"))
         step["response"] = f"<think>{think}</think><action>{action}</action>"
         if step["valid"]:
@@ -138,15 +160,18 @@ def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="house
     return trajectory, examples
 
 
-def demonstrations(env, n_episodes, history_window, seed_value=0, env_name="household", desc="demonstrations"):
+def demonstrations(env, n_episodes, history_window, seed_value=0, env_name="household", desc="demonstrations",
+                   habit_rate=HABIT_RATE):
     """Behaviour-cloning, skill-following and analyzer examples from n_episodes expert episodes with
-    mixed noise (epsilon 0 to 0.6: successes and failures for the analyzer)."""
+    mixed noise (epsilon 0 to 0.6: successes and failures for the analyzer) and the skip habit on a
+    habit_rate share of heat/cool/clean episodes."""
     rng = random.Random(seed_value)
     act, follow, analyze = [], [], []
     for episode in tqdm(range(n_episodes), desc=desc, leave=False):
         task_seed = rng.randrange(10 ** 6)
         epsilon = rng.choice([0.0, 0.1, 0.2, 0.4, 0.6])
-        trajectory, examples = expert_episode(env, task_seed, epsilon, rng, history_window, env_name)
+        trajectory, examples = expert_episode(env, task_seed, epsilon, rng, history_window, env_name,
+                                              habit_rate=habit_rate if env_name in ("household", "alfworld") else 0.0)
         act += examples
         completion = skills.annotate(trajectory, trajectory["gt"], rng=rng)
         analyze.append((trajectory, completion))
@@ -157,15 +182,58 @@ def demonstrations(env, n_episodes, history_window, seed_value=0, env_name="hous
     return act, follow, analyze
 
 
+@functools.lru_cache(maxsize=8)  # every evaluation of a run asks for the same decisions
+def habit_decisions(split, count=48, history_window=3, max_steps=20):
+    """The decision the skip habit gets wrong, on `count` heat/cool/clean tasks of a household split: the prompt
+    when the expert has just taken the goal object, with the right response (go and transform it) and the
+    habit's (carry it to the target), in the demonstrations' format. -> [(prompt, right, habit)]."""
+    import envs
+    decisions, task_seed = [], 0
+    while len(decisions) < count and task_seed < 50 * count:
+        env = envs.make_env("household", split, task_seed, max_steps=max_steps)
+        observation, info = env.reset(task_seed)
+        task_seed += 1
+        history, done = [], info.get("task_type") not in HABIT_TASKS
+        while not done:
+            if env.holding is not None and envs.kind_of(env.holding) == env.goal_object:
+                prompt = seed.render_prompt(info["task"], history, observation, info["admissible"], history_window)
+                goal = {"task_type": env.task_type, "goal_object": env.goal_object,
+                        "goal_receptacle": env.goal_receptacle}
+                right = f"<think>{subgoal(goal, True, False)}</think><action>{env.expert_action()}</action>"
+                habit = (f"<think>{subgoal(goal, True, True)}</think>"
+                         f"<action>{env.expert_action(skip_transform=True)}</action>")
+                decisions.append((prompt, right, habit))
+                break
+            action = env.expert_action()
+            history.append((observation, action))
+            observation, _, done, info = env.step(action)
+    return decisions
+
+
+def habit_probe(policy, decisions, temperature=1.0):
+    """Mean over decisions of P(right) / (P(right) + P(habit)), whole-response probabilities under the policy:
+    0.5 = no preference, 1 = the habit unlearned. The warm-start's value shows how strong the habit is; its
+    rise under RL is the learning a success rate shows only through the evaluation noise."""
+    stop = policy.stop_ids[0] if policy.stop_ids else policy.tokenizer.eos_token_id
+    prompts = [seed.encode_chat(policy.tokenizer, prompt) for prompt, _, _ in decisions] * 2
+    responses = [policy.tokenizer(text, add_special_tokens=False)["input_ids"] + [stop]
+                 for column in (1, 2) for text in [decision[column] for decision in decisions]]
+    logp = seed.response_logprobs(policy.model, prompts, responses, policy.pad_id, temperature).sum(-1)  # (2n,)
+    right, habit = logp.view(2, len(decisions))                                                       # (n,), (n,)
+    return torch.sigmoid(right - habit).mean().item()
+
+
 def analyzer_examples(policy, analyzed, max_tokens):
     count = lambda text: len(policy.tokenizer(text, add_special_tokens=False)["input_ids"])
     return [(skills.analyzer_prompt(t, max_tokens=max_tokens, count_tokens=count), c) for t, c in analyzed]
 
 
 def supervised_training(policy, mixture, steps, batch_size, lr, max_batch_tokens, seed_value=0, desc="warm-up",
-                        prompt_weight=0.0):
+                        prompt_weight=0.0, layout="packed"):
     """AdamW, 30 steps of linear warm-up then linear decay to 10%; each step draws batch_size examples
-    from the mixture [(weight, examples)]. prompt_weight: see seed.supervised_step. Returns the
+    from the mixture [(weight, examples)]. prompt_weight: see seed.supervised_step. layout: packed rows skip
+    the padding of these uneven mixtures (short acting prompts, long analyzer prompts): 2.4x faster per step
+    than padded on the tiny warm-up mixture, same loss to 4 decimals; padded for screenshots. Returns the
     completion loss of the last 20 steps on average."""
     rng = random.Random(seed_value)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.01)
@@ -177,7 +245,8 @@ def supervised_training(policy, mixture, steps, batch_size, lr, max_batch_tokens
     bar = tqdm(range(steps), desc=desc, leave=False)
     for _ in bar:
         batch = [rng.choice(rng.choices(pools, weights)[0]) for _ in range(batch_size)]
-        losses.append(seed.supervised_step(policy, optimizer, batch, max_batch_tokens, prompt_weight=prompt_weight))
+        losses.append(seed.supervised_step(policy, optimizer, batch, max_batch_tokens, prompt_weight=prompt_weight,
+                                           layout=layout))
         schedule.step()
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     return sum(losses[-20:]) / max(1, len(losses[-20:]))
@@ -210,7 +279,8 @@ def warm_start(cfg, options):
     # the task and copy names from far back in the prompt only after many steps; measured on 60 held-out
     # steps, completion loss 0.34 vs 0.53 after 400 steps with the prompt loss vs without
     loss = supervised_training(policy, [(0.45, act), (0.25, follow), (0.30, analyze)], cfg.warmup_steps,
-                               cfg.sft_batch_size, 3e-3, cfg.max_batch_tokens, cfg.warmup_seed, prompt_weight=0.3)
+                               cfg.sft_batch_size, 3e-3, cfg.max_batch_tokens, cfg.warmup_seed, prompt_weight=0.3,
+                               layout="padded" if cfg.env in VISION_ENVS else "packed")
     policy.model.save_pretrained(temporary)
     policy.tokenizer.save_pretrained(temporary)
     with open(os.path.join(temporary, "warmup.json"), "w") as f:
@@ -238,5 +308,6 @@ def stage1_sft(cfg, policy, options):
         examples = analyzer_examples(policy, analyzed, cfg.analysis_prompt_tokens)
         source = "skills.annotate on expert episodes"
     loss = supervised_training(policy, [(1.0, examples)], cfg.sft_steps, cfg.sft_batch_size, cfg.sft_lr,
-                               cfg.max_batch_tokens, cfg.seed, desc="stage 1")
+                               cfg.max_batch_tokens, cfg.seed, desc="stage 1",
+                               layout="padded" if cfg.env in VISION_ENVS else "packed")
     print(f"stage 1: {cfg.sft_steps} steps on {len(examples)} examples from {source}, final loss {loss:.3f}")
