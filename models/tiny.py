@@ -21,6 +21,10 @@ TINY_VL_TEMPLATE = (
 TINY_VISION = dict(depth=2, embed_dim=96, num_heads=4, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
                    temporal_patch_size=2, in_channels=3)
 TINY_PIXELS = (112 * 112, 224 * 224)  # min and max pixels: the vision env's 112x112 stays 4x4 merged tokens
+# pixel normalisation: white -> 0. CLIP's statistics map a white page to about 2 in every pixel; measured, that
+# common mode swamps the few pixels that differ: the vision tower's gradient fell 50x within 25 steps at lr 1e-3
+# and a colour probe stayed at chance (docs/vision.md; tests/test_vision.py guards it)
+TINY_PIXEL_MEAN, TINY_PIXEL_STD = [1.0, 1.0, 1.0], [0.5, 0.5, 0.5]
 
 TINY_SIZES = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2)
@@ -91,5 +95,6 @@ def build_tiny_vlm(corpus, out_dir, vocab_size=2048, seed=0, **sizes):
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    Qwen2VLImageProcessorPil(min_pixels=TINY_PIXELS[0], max_pixels=TINY_PIXELS[1]).save_pretrained(out_dir)
+    Qwen2VLImageProcessorPil(min_pixels=TINY_PIXELS[0], max_pixels=TINY_PIXELS[1], image_mean=TINY_PIXEL_MEAN,
+                             image_std=TINY_PIXEL_STD).save_pretrained(out_dir)
     return load_policy(out_dir, device="cpu", dtype="float32")

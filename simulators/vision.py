@@ -1,7 +1,8 @@
 """Vision env "vision": MiniWoB-like click tasks on a screenshot, in pure numpy (no browser, no PIL).
 
 Each step shows a 112x112x3 uint8 screenshot of a 4x4 grid of 28-pixel cells with coloured shapes in some cells,
-and an instruction. Each cell's number (1-16, row by row) is drawn in its corner, Set-of-Mark style: the action
+and an instruction. Each cell's number (1-16, row by row) is drawn in black 6x10-pixel digits in the cell's
+top-left 14x14 patch, the shape below and right of it, Set-of-Mark style: the action
 names a cell, and a Qwen2-VL image token carries no absolute position in its features, so a model reads the
 number off the pixels rather than having to count tokens. Actions are `click N` for N in 1..16, the same list for every
 task, so neither the instruction nor the actions say where anything is: only the pixels do (tests/test_household.py shows a
@@ -40,8 +41,8 @@ SHAPES = ("circle", "square", "triangle", "diamond", "cross")
 TASK_TYPES = ("click-color", "click-shape", "click-color-shape", "odd-one-out", "click-sequence", "click-all")
 SPLITS = ("train", "valid_seen", "valid_unseen")
 ACTIONS = tuple(f"click {i}" for i in range(1, GRID * GRID + 1))
-BACKGROUND, LINE, LABEL = 255, 215, 110
-# 3x5 pixel digits for the cell numbers drawn in each cell's top-left corner
+BACKGROUND, LINE, LABEL = 255, 215, 0
+# 3x5 pixel digits for the cell numbers drawn (at double size) in each cell's top-left corner
 DIGITS = ("111101101101111", "010110010010111", "111001111100111", "111001111001111", "101101111001001",
           "111100111001111", "111100111101111", "111001001001001", "111101111101111", "111101111001111")
 OBSERVATION = f"The screenshot shows a {GRID}x{GRID} grid of cells numbered 1 to {GRID * GRID}, row by row."
@@ -56,8 +57,10 @@ HELD_OUT_PAIRS = frozenset((c, s) for c in COLORS for s in SHAPES if is_held_out
 
 
 def _shape_masks():
-    y, x = np.mgrid[0:CELL, 0:CELL] + 0.5 - CELL / 2 - 1.5          # pixel centres around the shape centre
-    r = CELL * 0.32
+    """The shapes fill the cell below and right of its number (centre at pixel 19, radius 7.3), so the number
+    keeps the cell's top-left 14x14 patch to itself."""
+    y, x = np.mgrid[0:CELL, 0:CELL] - 19.0                          # pixel offsets from the shape centre
+    r = CELL * 0.26
     return {"circle": x ** 2 + y ** 2 <= r ** 2,
             "square": (abs(x) <= r * 0.85) & (abs(y) <= r * 0.85),
             "triangle": (y <= r * 0.8) & (y >= -r) & (abs(x) <= (y + r) * 0.55),
@@ -69,11 +72,13 @@ SHAPE_MASKS = _shape_masks()  # name -> (CELL, CELL) bool
 
 
 def _label_mask(number):
-    """(CELL, CELL) bool: the digits of `number` in the cell's top-left corner."""
+    """(CELL, CELL) bool: the digits of `number`, each 6x10 pixels (the 3x5 glyph at double size), in the cell's
+    top-left 14x14 patch: measured, a from-scratch tiny VLM learned to name a lone shape's cell with these and
+    stayed at chance with 3x5 ones (docs/vision.md)."""
     mask = np.zeros((CELL, CELL), dtype=bool)
     for i, digit in enumerate(str(number)):
-        glyph = np.array([c == "1" for c in DIGITS[int(digit)]]).reshape(5, 3)
-        mask[2:7, 2 + 4 * i:5 + 4 * i] = glyph
+        glyph = np.array([c == "1" for c in DIGITS[int(digit)]]).reshape(5, 3).repeat(2, 0).repeat(2, 1)
+        mask[2:12, 1 + 7 * i:7 + 7 * i] = glyph
     return mask
 
 

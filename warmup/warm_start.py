@@ -45,6 +45,8 @@ HABIT_TASKS = ("pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep",
 # has the habit (RL's room to improve) while sampled rollouts still find the right workflow often
 HABIT_RATE = 0.6
 VISION_ENVS = ("vision", "miniwob")  # screenshot observations: the tiny model is a Qwen2-VL (models/tiny.py)
+SCREEN_VERSION = 2  # bumped with the screenshot warm-up alone, so the household caches stay valid
+# (2: large cell numbers, white -> 0 pixel normalisation, lr 1e-3 and beta2 0.95)
 
 
 # ----------------------------------------------------------------------------- demonstrations
@@ -273,14 +275,14 @@ def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_cl
 
 
 def supervised_training(policy, mixture, steps, batch_size, lr, max_batch_tokens, seed_value=0, desc="warm-up",
-                        prompt_weight=0.0, layout="packed"):
-    """AdamW, 30 steps of linear warm-up then linear decay to 10%; each step draws batch_size examples
-    from the mixture [(weight, examples)]. prompt_weight: see supervised_step. layout: packed rows skip
+                        prompt_weight=0.0, layout="packed", beta2=0.999):
+    """AdamW (betas 0.9, beta2), 30 steps of linear warm-up then linear decay to 10%; each step draws batch_size
+    examples from the mixture [(weight, examples)]. prompt_weight: see supervised_step. layout: packed rows skip
     the padding of these uneven mixtures (short acting prompts, long analyzer prompts): 2.4x faster per step
     than padded on the tiny warm-up mixture, same loss to 4 decimals; padded for screenshots. Returns the
     completion loss of the last 20 steps on average."""
     rng = random.Random(seed_value)
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, beta2))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 30) * max(0.1, 1.0 - s / max(1, steps)))
     weights = [w for w, examples in mixture if examples]
@@ -301,6 +303,8 @@ def warm_start(cfg, options):
     settings = {"version": WARMUP_VERSION, "env": cfg.env, "steps": cfg.warmup_steps, "seed": cfg.warmup_seed,
                 "history_window": cfg.history_window, "analysis_prompt_tokens": cfg.analysis_prompt_tokens,
                 "options": {k: v for k, v in options.items() if k != "default_max_steps"}}
+    if cfg.env in VISION_ENVS:
+        settings["screen_version"] = SCREEN_VERSION
     key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(cfg.cache_dir, f"tiny-{cfg.env}-{key}")
     if os.path.exists(os.path.join(path, "warmup.json")):
@@ -353,9 +357,14 @@ def build_warm_start(cfg, options, settings, folder):
     # lr 3e-3 and a 0.3-weighted language-modelling loss on the prompts: a model from scratch learns to read
     # the task and copy names from far back in the prompt only after many steps; measured on 60 held-out
     # steps, completion loss 0.34 vs 0.53 after 400 steps with the prompt loss vs without
+    # screenshots: lr 1e-3 and beta2 0.95. The first steps send the from-scratch vision tower gradients 100x
+    # larger than later ones; beta2 0.999 remembers them for ~1000 steps and the tower barely moves (docs/vision.md:
+    # a 6-way cell-number probe read 0.62 at 300 steps with 0.999, 1.00 from step 175 with 0.95)
+    screens = cfg.env in VISION_ENVS
     loss = supervised_training(policy, [(0.45, act), (0.25, follow), (0.30, analyze)], cfg.warmup_steps,
-                               cfg.sft_batch_size, 3e-3, cfg.max_batch_tokens, cfg.warmup_seed, prompt_weight=0.3,
-                               layout="padded" if cfg.env in VISION_ENVS else "packed")
+                               cfg.sft_batch_size, 1e-3 if screens else 3e-3, cfg.max_batch_tokens, cfg.warmup_seed,
+                               prompt_weight=0.3, layout="padded" if screens else "packed",
+                               beta2=0.95 if screens else 0.999)
     policy.model.save_pretrained(folder)
     policy.tokenizer.save_pretrained(folder)
     with open(os.path.join(folder, "warmup.json"), "w") as f:
