@@ -21,6 +21,7 @@ import seed
 import skills
 from adapters import miniwob as miniwob_adapter
 from envs import make_env
+from experiments import vision_probes
 from models import vision
 from models.policy import Policy
 from models.tiny import build_tiny_vlm
@@ -127,42 +128,14 @@ def test_supervised_step_with_images(tiny_vlm, tmp_path):
     assert losses[-1] < losses[0], losses
 
 
-def colour_probe_accuracy(tmp_path, image_mean=None, steps=200):
-    """Teach a fresh tiny VLM to name the colour of the only item on a screenshot ("click K", K = its colour's
-    index) with the warm-up's optimizer for screenshots; accuracy on 24 unseen screens (argmax over the six
-    answers). image_mean: override the tiny processor's normalisation (e.g. CLIP's)."""
-    import random
-    from simulators.vision import COLORS, SHAPES, render
-    colours, rng = list(COLORS), random.Random(0)
-
-    def example(r):
-        colour = r.choice(colours)
-        image = render({r.randrange(16): (colour, r.choice(SHAPES))})
-        answer = f"<action>click {colours.index(colour) + 1}</action>"
-        return vision.ImageText("What colour is the item?", image), answer
-
-    train, test = [example(rng) for _ in range(400)], [example(rng) for _ in range(24)]
-    policy = build_tiny_vlm([p + c for p, c in train[:50]], str(tmp_path / "probe"), seed=0)
-    if image_mean is not None:
-        policy.tokenizer.image_processor.image_mean, policy.tokenizer.image_processor.image_std = image_mean
-    torch.manual_seed(0)
-    warm_start.supervised_training(policy, [(1.0, train)], steps, 16, 1e-3, 16384, layout="padded", beta2=0.95)
-    stop = policy.stop_ids[0]
-    answers = [policy.tokenizer(f"<action>click {k}</action>", add_special_tokens=False)["input_ids"] + [stop]
-               for k in range(1, len(colours) + 1)]
-    prompts = [seed.encode_chat(policy.tokenizer, p) for p, _ in test]
-    logp = seed.response_logprobs(policy.model, [p for p in prompts for _ in answers], answers * len(prompts),
-                                  policy.pad_id).sum(-1).view(len(test), len(answers))  # (24, 6)
-    truth = torch.tensor([int(c.split("click ")[1].split("<")[0]) - 1 for _, c in test])
-    return (logp.argmax(-1) == truth).float().mean().item()
-
-
 def test_tiny_vlm_learns_to_see_colour_within_200_steps(tmp_path):
-    """The tiny processor maps a white page to 0: with CLIP's statistics (white -> 1.9 in every pixel) the
-    from-scratch vision tower collapsed onto that common mode and this probe stayed at chance (docs/vision.md)."""
-    accuracy = colour_probe_accuracy(tmp_path)
-    print(f"\ncolour probe after 200 steps: accuracy {accuracy:.2f} (chance 0.17)")
-    assert accuracy >= 0.9, accuracy
+    """experiments/vision_probes.py's colour probe (name the colour of the only shape, 6 answers) under the tiny
+    processor's normalisation, white -> 0. With CLIP's statistics (white -> 2 in every pixel) the from-scratch
+    vision tower collapsed onto that common mode and this probe stayed at chance (docs/vision.md)."""
+    results = vision_probes.run_probe("colour", steps=200, batch_size=16, eval_every=200, folder=str(tmp_path))
+    _, accuracy, p_right = results[-1]
+    print(f"\ncolour probe after 200 steps: accuracy {accuracy:.2f}, p(right) {p_right:.2f} (chance 0.17)")
+    assert accuracy >= 0.9, results
 
 
 # =============================================================================

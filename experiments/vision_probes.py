@@ -1,0 +1,133 @@
+"""
+experiments/vision_probes.py: does a fresh tiny VLM learn to see? The probes behind docs/vision.md's tables.
+
+    python experiments/vision_probes.py --probe colour                    # name the colour of the only shape
+    python experiments/vision_probes.py --probe colour --clip-statistics  # the same under CLIP's normalisation
+    python experiments/vision_probes.py --probe cell                      # "Click the red circle." with one shape
+    python experiments/vision_probes.py --probe cell --shapes 4           # ... among 4 shapes
+    python experiments/vision_probes.py --probe task --steps 800          # the vision env's first click
+
+Each probe builds a fresh tiny Qwen2-VL (models/tiny.py), trains it with the warm-up's SFT step
+(warmup.warm_start.supervised_step) on (screenshot + question, "<action>click K</action>") pairs and prints,
+every --eval-every steps, the accuracy (argmax over the K answers) and the mean probability of the right answer
+on held-out screens. The task probe clones the env's expert (acting examples only) and scores its first click
+on valid_seen and valid_unseen. Numbers move from machine to machine and with the thread count; the step at
+which a probe leaves chance moves with the seed.
+"""
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+import envs  # noqa: E402
+import seed  # noqa: E402
+from models import tiny, vision  # noqa: E402
+from simulators.vision import COLORS, GRID, SHAPES, render  # noqa: E402
+from warmup import warm_start  # noqa: E402
+
+CLIP_STATISTICS = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
+THINK = "<think>find what the task names in the screenshot</think>"
+
+
+def colour_example(rng, shapes=1):
+    """One shape; the answer is its colour's index (1-6)."""
+    colour = rng.choice(list(COLORS))
+    image = render({rng.randrange(GRID * GRID): (colour, rng.choice(SHAPES))})
+    return vision.ImageText("What colour is the item?", image), list(COLORS).index(colour) + 1
+
+
+def cell_example(rng, shapes=1):
+    """`shapes` shapes of different looks; the answer is the cell (1-16) of the one the instruction names."""
+    cells = rng.sample(range(GRID * GRID), shapes)
+    looks = rng.sample([(c, s) for c in COLORS for s in SHAPES], shapes)
+    return vision.ImageText(f"Click the {looks[0][0]} {looks[0][1]}.", render(dict(zip(cells, looks)))), cells[0] + 1
+
+
+def task_examples(split, count, seed_value):
+    """First-step prompts of the vision env with the expert's cell (1-16)."""
+    env, examples = envs.make_env("vision", split, seed_value), []
+    for task_seed in range(count):
+        observation, info = env.reset(task_seed)
+        text = seed.render_prompt(info["task"], [], vision.observation_text(observation), info["admissible"], 3,
+                                  "vision")
+        examples.append((vision.user_message(text, observation), int(env.expert_action().split()[1])))
+    return examples
+
+
+def answer_text(k, think=""):
+    return f"{think}<action>click {k}</action>"
+
+
+def evaluate(policy, examples, answers, think=""):
+    """(accuracy, mean probability of the right answer) over examples [(prompt, k)], answers 1..`answers`."""
+    stop = policy.stop_ids[0]
+    candidates = [policy.tokenizer(answer_text(k, think), add_special_tokens=False)["input_ids"] + [stop]
+                  for k in range(1, answers + 1)]
+    prompts = [seed.encode_chat(policy.tokenizer, prompt) for prompt, _ in examples]
+    with torch.no_grad():
+        logp = seed.response_logprobs(policy.model, [p for p in prompts for _ in candidates],
+                                      candidates * len(prompts), policy.pad_id).sum(-1)
+    logp = logp.view(len(examples), answers)                                         # (N, answers)
+    truth = torch.tensor([k - 1 for _, k in examples])                              # (N,)
+    right = logp.softmax(-1)[torch.arange(len(examples)), truth]                    # (N,)
+    return (logp.argmax(-1) == truth).float().mean().item(), right.mean().item()
+
+
+def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, shapes=1, clip_statistics=False,
+              eval_every=50, seed_value=0, folder=None, log=print):
+    """Train a fresh tiny VLM on the probe; returns [(step, accuracy, p_right[, unseen accuracy, p_right])]."""
+    rng = random.Random(seed_value)
+    if probe == "task":
+        demo_env = envs.make_env("vision", "train", seed_value)
+        train = []
+        for _ in range(max(64, steps)):
+            _, pairs = warm_start.expert_episode(demo_env, rng.randrange(10 ** 6), rng.choice([0, 0.1, 0.2, 0.4]),
+                                                 rng, 3, "vision")
+            train += pairs
+        held_out = {split: task_examples(split, 48, 1) for split in ("valid_seen", "valid_unseen")}
+        answers, think = GRID * GRID, THINK
+    else:
+        make = colour_example if probe == "colour" else cell_example
+        examples = [make(rng, shapes) for _ in range(4000)]
+        train = [(prompt, answer_text(k)) for prompt, k in examples[:3900]]
+        held_out = {"held_out": examples[3900:3948]}
+        answers, think = (len(COLORS) if probe == "colour" else GRID * GRID), ""
+    folder = folder or tempfile.mkdtemp(prefix="vision_probe_")
+    policy = tiny.build_tiny_vlm([p + r for p, r in train[:2000]], folder, seed=seed_value)
+    if clip_statistics:
+        policy.tokenizer.image_processor.image_mean, policy.tokenizer.image_processor.image_std = CLIP_STATISTICS
+    torch.manual_seed(seed_value)
+    optimizer, schedule = warm_start.warmup_optimizer(policy, lr, steps, beta2)  # the warm-up's own schedule
+    results, start = [], time.time()
+    for step in range(1, steps + 1):
+        loss = warm_start.supervised_step(policy, optimizer, [rng.choice(train) for _ in range(batch_size)],
+                                          layout="padded")
+        schedule.step()
+        if step % eval_every == 0 or step == steps:
+            scores = [value for examples in held_out.values() for value in evaluate(policy, examples, answers, think)]
+            results.append((step, *scores))
+            shown = " | ".join(f"{split} accuracy {scores[2 * i]:.3f} p(right) {scores[2 * i + 1]:.3f}"
+                               for i, split in enumerate(held_out))
+            log(f"{probe} step {step} | loss {loss:.3f} | {shown} | {time.time() - start:.0f}s")
+    return results
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--probe", default="colour", choices=["colour", "cell", "task"], help="what to learn")
+    p.add_argument("--steps", type=int, default=300, help="SFT steps")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per step")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (30 steps up, then down to 10%%)")
+    p.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2 (the screenshot warm-up's)")
+    p.add_argument("--shapes", type=int, default=1, help="shapes per screen (cell probe)")
+    p.add_argument("--clip-statistics", action="store_true", help="CLIP's pixel normalisation instead of white -> 0")
+    p.add_argument("--eval-every", type=int, default=50, help="evaluate every K steps")
+    p.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
+    args = p.parse_args()
+    run_probe(args.probe, args.steps, args.batch_size, args.lr, args.beta2, args.shapes, args.clip_statistics,
+              args.eval_every, args.seed)
