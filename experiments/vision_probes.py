@@ -79,8 +79,9 @@ def evaluate(policy, examples, answers, think=""):
 
 
 def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, shapes=1, clip_statistics=False,
-              eval_every=50, seed_value=0, folder=None, log=print):
-    """Train a fresh tiny VLM on the probe; returns [(step, accuracy, p_right[, unseen accuracy, p_right])]."""
+              eval_every=50, seed_value=0, folder=None, log=print, first_steps=0):
+    """Train a fresh tiny VLM on the probe; returns [(step, accuracy, p_right[, unseen accuracy, p_right])].
+    first_steps: a curriculum, the first steps on the one-shape cell probe (in the probe's answer format)."""
     rng = random.Random(seed_value)
     if probe == "task":
         demo_env = envs.make_env("vision", "train", seed_value)
@@ -97,6 +98,9 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
         train = [(prompt, answer_text(k)) for prompt, k in examples[:3900]]
         held_out = {"held_out": examples[3900:3948]}
         answers, think = (len(COLORS) if probe == "colour" else GRID * GRID), ""
+    easy_rng = random.Random(seed_value + 1)  # its own stream: the probe's data and batches stay as without it
+    easy = [cell_example(easy_rng) for _ in range(4000 if first_steps else 0)]
+    easy = [(prompt, answer_text(k, think)) for prompt, k in easy]
     folder = folder or tempfile.mkdtemp(prefix="vision_probe_")
     policy = tiny.build_tiny_vlm([p + r for p, r in train[:2000]], folder, seed=seed_value)
     if clip_statistics:
@@ -105,7 +109,8 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
     optimizer, schedule = warm_start.warmup_optimizer(policy, lr, steps, beta2)  # the warm-up's own schedule
     results, start = [], time.time()
     for step in range(1, steps + 1):
-        loss = warm_start.supervised_step(policy, optimizer, [rng.choice(train) for _ in range(batch_size)],
+        pool = easy if step <= first_steps else train
+        loss = warm_start.supervised_step(policy, optimizer, [rng.choice(pool) for _ in range(batch_size)],
                                           layout="padded")
         schedule.step()
         if step % eval_every == 0 or step == steps:
@@ -128,6 +133,8 @@ if __name__ == "__main__":
     p.add_argument("--clip-statistics", action="store_true", help="CLIP's pixel normalisation instead of white -> 0")
     p.add_argument("--eval-every", type=int, default=50, help="evaluate every K steps")
     p.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
+    p.add_argument("--first-steps", type=int, default=0,
+                   help="curriculum: this many steps on one-shape cell probes first")
     args = p.parse_args()
     run_probe(args.probe, args.steps, args.batch_size, args.lr, args.beta2, args.shapes, args.clip_statistics,
-              args.eval_every, args.seed)
+              args.eval_every, args.seed, first_steps=args.first_steps)
