@@ -49,14 +49,10 @@ def cell_example(rng, shapes=1):
 
 
 def task_examples(split, count, seed_value):
-    """First-step prompts of the vision env with the expert's cell (1-16)."""
-    env, examples = envs.make_env("vision", split, seed_value), []
-    for task_seed in range(count):
-        observation, info = env.reset(task_seed)
-        text = seed.render_prompt(info["task"], [], vision.observation_text(observation), info["admissible"], 3,
-                                  "vision")
-        examples.append((vision.user_message(text, observation), int(env.expert_action().split()[1])))
-    return examples
+    """First-step prompts of the vision env with the expert's cell (1-16), from the warm-up's own episodes."""
+    env, rng = envs.make_env("vision", split, seed_value), random.Random(seed_value)
+    firsts = [warm_start.expert_episode(env, task_seed, 0.0, rng, 3, "vision")[1][0] for task_seed in range(count)]
+    return [(prompt, int(response.split("click ")[1].split("<")[0])) for prompt, response in firsts]
 
 
 def answer_text(k, think=""):
@@ -101,8 +97,8 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
     easy_rng = random.Random(seed_value + 1)  # its own stream: the probe's data and batches stay as without it
     easy = [cell_example(easy_rng) for _ in range(4000 if first_steps else 0)]
     easy = [(prompt, answer_text(k, think)) for prompt, k in easy]
-    folder = folder or tempfile.mkdtemp(prefix="vision_probe_")
-    policy = tiny.build_tiny_vlm([p + r for p, r in train[:2000]], folder, seed=seed_value)
+    with tempfile.TemporaryDirectory(prefix="vision_probe_") as scratch:  # the model folder, unless one is given
+        policy = tiny.build_tiny_vlm([p + r for p, r in train[:2000]], folder or scratch, seed=seed_value)
     if clip_statistics:
         policy.tokenizer.image_processor.image_mean, policy.tokenizer.image_processor.image_std = CLIP_STATISTICS
     torch.manual_seed(seed_value)
