@@ -71,7 +71,7 @@ def get_config(argv=None, check=True):
     add("--dtype", None, "float32 or bfloat16 (None: bf16 on CUDA, fp32 on CPU)")
     add("--gradient-checkpointing", False, "trade compute for memory", action="store_true")
     # rollouts
-    add("--updates", 10, "RL policy updates (paper: 150)")
+    add("--updates", 5, "RL policy updates (paper: 150)")
     add("--tasks-per-update", 8, "N tasks per update (paper: 16)")
     add("--group-size", 4, "G rollouts per task, the GRPO group (paper: 8)")
     add("--max-steps", envs.DEFAULT_MAX_STEPS.get(known.env, 20), "env steps per episode")
@@ -115,6 +115,8 @@ def get_config(argv=None, check=True):
     add("--warmup-steps", 1000, "tiny-model warm-up steps (cached per config)")
     add("--warmup-seed", 0, "seed of the tiny warm-up (shared by runs)")
     add("--cache-dir", "cache", "where the warm-started tiny model is cached")
+    add("--build-warm-start", False, "build the tiny warm-up (or reuse --cache-dir's), not the one "
+        "shipped in warm_starts/", action="store_true")
     # evaluation, logging, checkpoints
     add("--eval-every", 5, "evaluate every K updates (and at start and end)")
     add("--eval-tasks", 48, "tasks per evaluation split")

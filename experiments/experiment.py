@@ -3,7 +3,9 @@ experiment.py: SEED vs GRPO on the embedded household env, and a picture of the 
 
     python experiments/experiment.py --seeds 0 1 2                       # both algorithms x 3 seeds, one warm-start
     python experiments/experiment.py --seeds 0 --updates 2 --smoke       # a quick check that the pipeline runs
-    python experiments/experiment.py --picture out/experiment/seed-0               # delta picture of one trajectory (HTML + terminal)
+    python experiments/experiment.py --picture out/experiment/seed-0     # delta picture of one trajectory (HTML + terminal)
+    python experiments/experiment.py --probes MODEL_DIR                  # habit probe, skill lift, fixing-skill share
+    python experiments/experiment.py --mechanism MODEL_DIR               # SEED vs GRPO updates on all-failed groups
 
 Every run starts from the same cached warm-start (train.py --warmup-seed), gets the same episode budget
 (--updates x --tasks-per-update x --group-size) and is evaluated every --eval-every updates on valid_seen
@@ -29,17 +31,40 @@ sys.path.insert(0, REPO)
 from training.logs import read_records as read_jsonl  # noqa: E402  one JSONL reader for the whole repository
 
 
-def run_training(algo, seed_value, args, extra):
-    out_dir = os.path.join(args.root, f"{algo}-{seed_value}")
-    if os.path.exists(os.path.join(out_dir, "summary.json")) and not args.rerun:
-        print(f"{out_dir}: done before, reusing (--rerun to redo)")
-        return out_dir
-    command = [sys.executable, os.path.join(REPO, "train.py"), "--algo", algo, "--seed", str(seed_value), "--out-dir", out_dir,
-               "--updates", str(args.updates), "--eval-every", str(args.eval_every), "--cache-dir", args.cache_dir,
-               "--warmup-seed", str(args.warmup_seed)] + extra
-    print("running:", " ".join(command), flush=True)
-    subprocess.run(command, check=True)
-    return out_dir
+def run_all(args, extra):
+    """Every (algo, seed) run -> [(algo, seed, out_dir)]. --jobs > 1 runs that many at a time, each with
+    cores / jobs torch threads and its output in <out_dir>.log, after building the shared warm-start once."""
+    runs, running, threads = [], [], max(1, (os.cpu_count() or 1) // args.jobs)
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads)} if args.jobs > 1 else None
+    shared = ["--cache-dir", args.cache_dir, "--warmup-seed", str(args.warmup_seed)] + extra
+    if args.jobs > 1:  # parallel runs would each build the same missing warm-start
+        subprocess.run([sys.executable, os.path.join(REPO, "train.py"), "--stage", "sft", "--overwrite",
+                        "--out-dir", os.path.join(args.root, "warm-start")] + shared, check=True)
+    for seed_value in args.seeds:
+        for algo in args.algos:
+            out_dir = os.path.join(args.root, f"{algo}-{seed_value}")
+            runs.append((algo, seed_value, out_dir))
+            if os.path.exists(os.path.join(out_dir, "summary.json")) and not args.rerun:
+                print(f"{out_dir}: done before, reusing (--rerun to redo)")
+                continue
+            command = [sys.executable, os.path.join(REPO, "train.py"), "--algo", algo, "--seed", str(seed_value),
+                       "--out-dir", out_dir, "--overwrite", "--updates", str(args.updates),
+                       "--eval-every", str(args.eval_every)] + shared
+            print("running:", " ".join(command), flush=True)
+            while len(running) >= args.jobs:
+                wait(running.pop(0))
+            log = open(out_dir + ".log", "w") if args.jobs > 1 else None
+            running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None,
+                                             env=environment), command))
+    for process in running:
+        wait(process)
+    return runs
+
+
+def wait(process_and_command):
+    process, command = process_and_command
+    if process.wait() != 0:
+        raise subprocess.CalledProcessError(process.returncode, command)
 
 
 def spread(values):
@@ -106,14 +131,19 @@ def reach(curves, metric):
     if target - start <= spread_over_seeds:  # a gain inside the noise would make the comparison noise too
         return (f"GRPO's gain ({start:.3f} -> {target:.3f} after {budget} episodes) is within its spread over "
                 f"seeds (± {spread_over_seeds:.3f}), so there is nothing to compare")
-    reached = None
-    for (x0, y0, _), (x1, y1, _) in zip(seed_curve, seed_curve[1:]):
-        if y1 >= target:
-            reached = x0 + (x1 - x0) * (target - y0) / (y1 - y0) if y1 > y0 and y0 < target else x1
-            break
+    reached = episodes_to_reach(seed_curve, target)
     return (f"GRPO {start:.3f} -> {target:.3f} after {budget} episodes; SEED "
             + (f"reaches {target:.3f} after {reached:.0f} episodes ({1 - reached / max(1, budget):.0%} fewer; linear "
                "between evaluations)" if reached is not None else f"does not reach {target:.3f} within {budget}"))
+
+
+def episodes_to_reach(curve, target):
+    """The first training-episode count at which a [(episodes, mean, std)] curve reaches target, linear
+    between evaluations; None when it never does."""
+    for (x0, y0, _), (x1, y1, _) in zip(curve, curve[1:]):
+        if y1 >= target:
+            return x0 + (x1 - x0) * (target - y0) / (y1 - y0) if y1 > y0 and y0 < target else x1
+    return None
 
 
 def ratio_line(curves, metric="micro"):
@@ -128,11 +158,7 @@ def ratio_line(curves, metric="micro"):
     gain, gap = target - grpo[0][1], final - target
     if gain <= grpo_std or abs(gap) <= max(seed_std, grpo_std):
         return f"episodes ratio (GRPO/SEED): not different; {finals}"
-    reached = None
-    for (x0, y0, _), (x1, y1, _) in zip(seed_curve, seed_curve[1:]):
-        if y1 >= target:
-            reached = x0 + (x1 - x0) * (target - y0) / (y1 - y0) if y1 > y0 and y0 < target else x1
-            break
+    reached = episodes_to_reach(seed_curve, target)
     ratio = f"{budget / max(reached, 1e-9):.2f}" if reached else f"< 1 (SEED short of GRPO at {budget})"
     return f"episodes ratio (GRPO/SEED): {ratio}; {finals}"
 
@@ -196,6 +222,85 @@ def probes(model, episodes=48, history_window=3, max_steps=20, seed_value=0):
     found["fixing skill share"], found["habit failures"] = share, failed
     for name, value in found.items():
         print(f"{name}: {value if value is None or isinstance(value, int) else f'{value:.3f}'}")
+    return found
+
+
+def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4, kl_coef=0.1, seed_value=0):
+    """Where SEED's gain can come from that GRPO's cannot: groups in which every rollout failed. Their outcome
+    advantage is 0 (a format penalty aside), so GRPO learns nothing there, while SEED's delta still says which
+    tokens the hindsight skill would change. Each arm, from the same model, plays `rounds` rounds of `tasks`
+    heat/cool/clean training tasks x group_size rollouts, keeps only the all-failed groups and makes one
+    update on them with the tiny defaults (4 mini-batches, batch-std advantages, k3 KL to the start);
+    SEED adds lambda x delta, GRPO does not. Prints the habit probe before and after each round, |delta| at
+    the decision step (the step after taking the goal object) and over all sampled tokens, and mean |A|."""
+    import envs
+    import seed
+    from models.policy import load_policy
+    from warmup import warm_start
+    decisions = warm_start.habit_decisions("valid_seen", 48)
+    probe_env = envs.make_env("household", "train", 0)
+    habit_tasks = [s for s in range(10 ** 4) if probe_env.reset(s)[1]["task_type"] in warm_start.HABIT_TASKS]
+    env_list = [envs.make_env("household", "train", i) for i in range(tasks * group_size)]
+    reference = load_policy(model, device="cpu", dtype="float32").model.eval()
+    found = {}
+    for algo, coef in (("seed", distill_coef), ("grpo", 0.0)):
+        policy = load_policy(model, device="cpu", dtype="float32")
+        optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.0)
+        torch.manual_seed(seed_value)
+        probes = [warm_start.habit_probe(policy, decisions)]
+        for round_index in range(rounds):
+            task_seeds = habit_tasks[round_index * tasks:(round_index + 1) * tasks]
+            trajectories = seed.rollout(policy, env_list, task_seeds, group_size, 20, 48, 1.0, 3,
+                                        generator=torch.Generator().manual_seed(seed_value + round_index))
+            won = {}
+            for t in trajectories:
+                won[t["group"]] = won.get(t["group"], False) or t["won"]
+            failed = [t for t in trajectories if not won[t["group"]]]
+            if not failed:
+                probes.append(probes[-1])
+                continue
+            skill_list, _ = seed.analyze(policy, failed, 1024, 96)
+            rows = seed.step_rows(failed, skill_list)
+            _, teacher, ref, has_teacher = seed.rescore(policy, rows, 1.0, reference=reference, need_old=False)
+            sampled = seed.padded_logprobs(rows["sampled_logp"])                            # (B, R)
+            mask = seed.response_mask(rows["responses"])                                     # (B, R)
+            delta = (teacher[:, :sampled.shape[1]] - sampled) * mask[:, :sampled.shape[1]]  # (B, R)
+            delta = delta * has_teacher[:, None]
+            decision_rows = decision_steps(failed, rows)
+            advantages = seed.step_advantages(failed, rows, "batch", "steps")                # (B,)
+            seed.ppo_update(policy, optimizer, rows, advantages, teacher if coef else None, ref, has_teacher, 4,
+                            loss_kwargs=dict(distill_coef=coef, kl_coef=kl_coef), temperature=1.0)
+            probes.append(warm_start.habit_probe(policy, decisions))
+            tokens = mask[:, :sampled.shape[1]].sum().clamp(min=1)
+            found.setdefault(algo, []).append({
+                "round": round_index + 1, "all_failed_groups": len(failed) // group_size,
+                "rows": len(rows["prompts"]), "habit_before": probes[-2], "habit_after": probes[-1],
+                "delta_abs_all": float(delta.abs().sum() / tokens),
+                "delta_abs_decision": float(delta[decision_rows].abs().amax(-1).mean()) if decision_rows else None,
+                "advantage_abs": float(advantages.abs().mean())})
+    print("| algo | round | all-failed groups | rows | habit before -> after | max abs delta at the decision step "
+          "| mean abs delta, all tokens | mean abs A |")
+    print("|---|---|---|---|---|---|---|---|")
+    for algo, records in found.items():
+        for r in records:
+            decision = "-" if r["delta_abs_decision"] is None else f"{r['delta_abs_decision']:.3f}"
+            print(f"| {algo} | {r['round']} | {r['all_failed_groups']} | {r['rows']} | {r['habit_before']:.3f} -> "
+                  f"{r['habit_after']:.3f} | {decision} | {r['delta_abs_all']:.4f} | {r['advantage_abs']:.3f} |")
+    return found
+
+
+def decision_steps(trajectories, rows):
+    """Row indices of each trajectory's step right after it took its goal object (the habit's decision)."""
+    found, row = [], 0
+    for trajectory in trajectories:
+        goal = (trajectory.get("gt") or {}).get("goal_object")
+        after_take = None
+        for number, step in enumerate(trajectory["steps"]):
+            if after_take is None and step["valid"] and goal and step["action"].startswith(f"take {goal} "):
+                after_take = number + 1
+        if after_take is not None and after_take < len(trajectory["steps"]):
+            found.append(row + after_take)
+        row += len(trajectory["steps"])
     return found
 
 
@@ -287,19 +392,24 @@ def main(argv=None):
     p.add_argument("--cache-dir", default="cache", help="where the shared warm-start is cached")
     p.add_argument("--warmup-seed", type=int, default=0, help="the one warm-start all runs share")
     p.add_argument("--rerun", action="store_true", help="redo runs that finished before")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, measures nothing")
     p.add_argument("--picture", metavar="RUN_DIR", help="write the delta picture for a finished run and exit")
     p.add_argument("--probes", metavar="MODEL_DIR", help="habit probe, skill lift and fixing-skill share of a model")
+    p.add_argument("--mechanism", metavar="MODEL_DIR", help="one SEED and one GRPO update per round on all-failed "
+                   "groups only, from MODEL_DIR: the habit probe before and after, |delta| and |A|")
     args = p.parse_args(argv)
     if args.picture:
         return picture(args.picture)
     if args.probes:
         return probes(args.probes)
+    if args.mechanism:
+        return mechanism(args.mechanism, seed_value=args.seeds[0])
     if args.smoke:
         extra = ["--warmup-steps", "2", "--tasks-per-update", "2", "--group-size", "2", "--max-steps", "3",
                  "--max-new-tokens", "8", "--eval-tasks", "2", "--analysis-max-new-tokens", "16"] + extra
     os.makedirs(args.root, exist_ok=True)
-    runs = [(algo, s, run_training(algo, s, args, extra)) for s in args.seeds for algo in args.algos]
+    runs = run_all(args, extra)
     summarise(args, runs)
     return runs
 

@@ -83,8 +83,8 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
         demo_env = envs.make_env("vision", "train", seed_value)
         train = []
         for _ in range(max(64, steps)):
-            _, pairs = warm_start.expert_episode(demo_env, rng.randrange(10 ** 6), rng.choice([0, 0.1, 0.2, 0.4]),
-                                                 rng, 3, "vision")
+            _, pairs, _ = warm_start.expert_episode(demo_env, rng.randrange(10 ** 6), rng.choice([0, 0.1, 0.2, 0.4]),
+                                                    rng, 3, "vision")
             train += pairs
         held_out = {split: task_examples(split, 48, 1) for split in ("valid_seen", "valid_unseen")}
         answers, think = GRID * GRID, THINK

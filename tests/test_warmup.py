@@ -145,7 +145,7 @@ def test_demonstrations_show_invalid_commands_and_recoveries():
     env = envs.make_env("household", "train", 0)
     rng, invalid, labelled = random.Random(0), 0, 0
     for task_seed in range(12):
-        trajectory, examples = warm_start.expert_episode(env, task_seed, 0.6, rng, history_window=3)
+        trajectory, examples, _ = warm_start.expert_episode(env, task_seed, 0.6, rng, history_window=3)
         invalid += sum(not step["valid"] for step in trajectory["steps"])
         for prompt, completion in examples:
             action = seed.parse_action(completion)
@@ -163,23 +163,49 @@ def test_habit_demonstrations_skip_the_transform_and_stop_at_the_placement():
     env = envs.make_env("household", "train", 0)
     rng, habit_tasks = random.Random(0), 0
     for task_seed in range(40):
-        with_habit, examples = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, habit_rate=1.0)
-        without, _ = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, habit_rate=0.0)
+        with_habit, examples, corrections = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, habit_rate=1.0)
+        without, _, none = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, habit_rate=0.0)
         actions = [step["action"].split()[0] for step in with_habit["steps"]]
+        assert none == []
         if with_habit["task_type"] not in warm_start.HABIT_TASKS:
             assert with_habit["won"] and actions == [step["action"].split()[0] for step in without["steps"]]
+            assert corrections == []
             continue
         habit_tasks += 1
         verb = TRANSFORMS[with_habit["task_type"]][0]
+        # the corrections: the habit's own prompts from the step after taking the object, labelled right
+        labels = dict(examples)
+        assert corrections and all(labels[p] != r for p, r in corrections), corrections
+        assert f"<think>{verb} the" in corrections[0][1], corrections[0]
+        assert "take " in corrections[0][0].split("Your admissible actions")[0][-200:], corrections[0][0][-400:]
         assert not with_habit["won"] and actions[-1] == "move" and verb not in actions, actions
         assert seed.parse_action(examples[-1][1]).startswith("move ") and "put the" in examples[-1][1]
         assert without["won"] and verb in [step["action"].split()[0] for step in without["steps"]]
         summary = json.loads(annotate(with_habit))["episode_summary"]
         assert "before it was" in summary, summary
         skill = parse_skill(annotate(with_habit), task=with_habit["task"])
-        followed, _ = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, skill=skill, habit_rate=1.0)
+        followed, _, _ = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, skill=skill, habit_rate=1.0)
         assert followed["won"], [step["action"] for step in followed["steps"]]
     assert habit_tasks >= 8, habit_tasks
+
+
+def test_contrast_pairs_differ_only_by_the_skill():
+    """The skill-following examples hold contrast pairs: a habit step's own prompt labelled with the habit, and
+    the same prompt with the episode's skill (skills.with_skill) labelled with the right response."""
+    act, follow, _ = warm_start.demonstrations(envs.make_env("household", "train", 0), 30, 3, seed_value=0)
+    habit_labels, pairs = dict(act), 0
+    for prompt, response in follow:
+        start = prompt.find("\n\n" + skills.SKILL_HEADER)
+        if start < 0:
+            continue
+        end = prompt.index("]\n", start) + 2  # with_skill's block: "\n\n" + header + "\n[skill]" + "\n"
+        plain = prompt[:start] + prompt[end:]
+        if plain in habit_labels and (plain, habit_labels[plain]) in follow:
+            assert habit_labels[plain] != response, response
+            assert "<think>put the" in habit_labels[plain] and "<think>put the" not in response, response
+            pairs += 1
+    assert pairs >= warm_start.CONTRAST_COPIES, pairs
+    print(f"\n{pairs // warm_start.CONTRAST_COPIES} contrast pairs from 30 episodes")
 
 
 def test_habit_probe_reads_the_decision_and_moves_with_training(tiny):
@@ -285,3 +311,26 @@ def test_short_warmup_teaches_the_action_format(tiny):
     warm_start.supervised_training(policy, [(1.0, act)], steps=200, batch_size=8, lr=5e-3, max_batch_tokens=16384)
     after = format_rate()
     assert before < 0.5 and after >= 0.75, f"action-format rate {before:.2f} before, {after:.2f} after warm-up"
+
+
+def test_the_default_run_finds_the_shipped_warm_start(tmp_path, monkeypatch):
+    """warm_starts/ ships the default config's warm-start, so `python train.py` on a fresh clone skips the
+    build: its settings must be exactly the defaults' (bump WARMUP_VERSION and this fails until it is rebuilt
+    and shipped again). --build-warm-start ignores it and builds."""
+    import train
+    cfg = train.get_config(["--cache-dir", str(tmp_path)])
+    options = envs.env_options(cfg.env, cfg.max_steps, cfg.data_dir, str(tmp_path), cfg.seed)
+    path = warm_start.warm_start(cfg, options)
+    assert path.startswith(warm_start.SHIPPED_DIR), f"the default run would build its warm-up, not find {path}"
+    shipped = json.load(open(f"{path}/warmup.json"))
+    assert shipped["version"] == warm_start.WARMUP_VERSION and shipped["steps"] == cfg.warmup_steps
+    policy = load_policy(path)
+    decisions = warm_start.habit_decisions("valid_seen", 8)
+    assert 0.0 < warm_start.habit_probe(policy, decisions) < 1.0  # a working model, not a placeholder
+
+    def build(*args):
+        raise RuntimeError("built")
+
+    monkeypatch.setattr(warm_start, "build_warm_start", build)
+    with pytest.raises(RuntimeError, match="built"):
+        warm_start.warm_start(train.get_config(["--cache-dir", str(tmp_path), "--build-warm-start"]), options)

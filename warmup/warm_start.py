@@ -38,12 +38,18 @@ from simulators.household import TRANSFORMS, kind_of
 from training.checkpoints import atomic_folder
 from warmup.annotator import annotate, read_jsonl
 
-WARMUP_VERSION = 5  # bump when the demonstrations change, so stale caches are not reused
-# (5: verl-agent's exact prompt templates)
+WARMUP_VERSION = 7  # bump when the demonstrations change, so stale caches are not reused
+# (5: verl-agent's exact prompt templates; 7: contrast pairs, the habit's steps with and without its skill)
 HABIT_TASKS = ("pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_clean_then_place_in_recep")
 # share of those tasks' demonstrations with the skip habit: above one half, so the warm-started greedy policy
 # has the habit (RL's room to improve) while sampled rollouts still find the right workflow often
 HABIT_RATE = 0.6
+# how often each contrast pair (a habit step with and without its skill) enters the skill-following examples:
+# measured skill lift on valid_seen 0.094 (v5, no pairs), 0.216 (v6, the skill side once)
+CONTRAST_COPIES = 3
+# warm-starts shipped with the repository (the default's, so a first run skips the ~10-minute build); one is used
+# when its settings match the run's exactly, unless --build-warm-start
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warm_starts")
 VISION_ENVS = ("vision", "miniwob")  # screenshot observations: the tiny model is a Qwen2-VL (models/tiny.py)
 SCREEN_VERSION = 2  # bumped with the screenshot warm-up alone, so the household caches stay valid
 # (2: large cell numbers, white -> 0 pixel normalisation, lr 1e-3 and beta2 0.95)
@@ -90,7 +96,9 @@ def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="house
     habit as a habit and never sees it repaired. RL has to unlearn it; a skill that says "heat it first" (the
     skill-following demonstrations never have the habit) shows how.
     With `skill`, the oracle expert acts (it knows where objects are, as the skill tells) and prompts
-    carry the skill block. Returns (trajectory, labelled examples [(prompt, response)])."""
+    carry the skill block. Returns (trajectory, labelled examples [(prompt, response)], corrections): for a
+    habit episode, the steps whose habit label differs from the right one, as (prompt, right response), which
+    demonstrations() pairs with the episode's own skill; else []."""
     observation, info = env.reset(task_seed)
     habit = info.get("task_type") in HABIT_TASKS and rng.random() < habit_rate and skill is None  # a skill cures it
     oracle = skill is not None
@@ -112,8 +120,9 @@ def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="house
         if stale and not skipping and rng.random() < epsilon / 2:
             action = rng.choice(stale)  # an invalid command ("Nothing happens."), so the data shows recoveries
         earlier |= admissible
+        right = expert(0.0, skip=False) if habit else best
         pending.append((prompt if skill is None else vision.same_image(prompt, skills.with_skill(prompt, skill)), best,
-                        action))
+                        action, right))
         previous = vision.observation_text(observation)
         observation, reward, done, info = env.step(action)
         trajectory["steps"].append({"observation": previous, "action": action, "reward": float(reward),
@@ -125,15 +134,19 @@ def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="house
     trajectory["won"], trajectory["gt"] = bool(info.get("won")), info.get("gt") or {}
     # the <think> text needs the goal from the ground truth, known at the end: fill responses now
     holding = transformed = False
-    for step, (prompt, best, action) in zip(trajectory["steps"], pending):
+    corrections = []
+    for step, (prompt, best, action, right) in zip(trajectory["steps"], pending):
         think = subgoal(trajectory["gt"], holding, transformed or habit, best.lower())
         examples.append((prompt, f"<think>{think}</think><action>{best}</action>"))
+        right_think = subgoal(trajectory["gt"], holding, transformed, right.lower())
+        if (right, right_think) != (best, think):
+            corrections.append((prompt, f"<think>{right_think}</think><action>{right}</action>"))
         step["response"] = f"<think>{think}</think><action>{action}</action>"
         if step["valid"]:
             verb = action.split(" ", 1)[0]
             holding = verb == "take" or (holding and verb != "move")
             transformed = transformed or verb in ("heat", "cool", "clean")
-    return trajectory, examples
+    return trajectory, examples, corrections
 
 
 def demonstrations(env, n_episodes, history_window, seed_value=0, env_name="household", desc="demonstrations",
@@ -146,15 +159,20 @@ def demonstrations(env, n_episodes, history_window, seed_value=0, env_name="hous
     for episode in tqdm(range(n_episodes), desc=desc, leave=False):
         task_seed = rng.randrange(10 ** 6)
         epsilon = rng.choice([0.0, 0.1, 0.2, 0.4, 0.6])
-        trajectory, examples = expert_episode(env, task_seed, epsilon, rng, history_window, env_name,
-                                              habit_rate=habit_rate if env_name == "household" else 0.0)
+        trajectory, examples, corrections = expert_episode(env, task_seed, epsilon, rng, history_window, env_name,
+                                                           habit_rate=habit_rate if env_name == "household" else 0.0)
         act += examples
         completion = annotate(trajectory, trajectory["gt"], rng=rng)
         analyze.append((trajectory, completion))
         skill = skills.parse_skill(completion, task=trajectory["task"])
         if skill is not None and hasattr(env, "expert_action"):
-            _, examples = expert_episode(env, task_seed, 0.0, rng, history_window, env_name, skill=skill)
-            follow += examples
+            _, followed, _ = expert_episode(env, task_seed, 0.0, rng, history_window, env_name, skill=skill)
+            # contrast pairs: the habit's own prompts labelled with the habit, and the same prompts with its
+            # skill in them labelled right, so the skill is the one difference; rare (the steps from taking
+            # the object to its placement), hence CONTRAST_COPIES copies
+            habit_labels = dict(examples)
+            pairs = [pair for p, r in corrections for pair in ((p, habit_labels[p]), (skills.with_skill(p, skill), r))]
+            follow += followed + pairs * CONTRAST_COPIES
     return act, follow, analyze
 
 
@@ -316,6 +334,11 @@ def warm_start(cfg, options):
     if os.path.exists(os.path.join(path, "warmup.json")):
         print(f"warm-up: reusing the cached tiny model {path}")
         return path
+    shipped = os.path.join(SHIPPED_DIR, os.path.basename(path))
+    if not cfg.build_warm_start and os.path.exists(os.path.join(shipped, "warmup.json")):
+        print(f"warm-up: using the warm-start shipped in {os.path.relpath(shipped)} (--build-warm-start builds "
+              f"it here instead)")
+        return shipped
     remove_unfinished(cfg.cache_dir)
     with atomic_folder(path) as temporary:  # complete or absent: a killed warm-up is redone, never half-used
         with open(os.path.join(temporary, "builder.pid"), "w") as f:
