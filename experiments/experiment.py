@@ -50,20 +50,23 @@ def run_all(args, extra):
             command = [sys.executable, os.path.join(REPO, "train.py"), "--algo", algo, "--seed", str(seed_value),
                        "--out-dir", out_dir, "--overwrite", "--updates", str(args.updates),
                        "--eval-every", str(args.eval_every)] + shared
-            print("running:", " ".join(command), flush=True)
             while len(running) >= args.jobs:
                 wait(running.pop(0))
+            print("running:", " ".join(command), flush=True)
             log = open(out_dir + ".log", "w") if args.jobs > 1 else None
             running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None,
-                                             env=environment), command))
+                                             env=environment), command, log))
     for process in running:
         wait(process)
     return runs
 
 
-def wait(process_and_command):
-    process, command = process_and_command
-    if process.wait() != 0:
+def wait(running_run):
+    process, command, log = running_run
+    returncode = process.wait()
+    if log is not None:
+        log.close()
+    if returncode != 0:
         raise subprocess.CalledProcessError(process.returncode, command)
 
 
@@ -99,7 +102,6 @@ def summarise(args, runs):
             continue  # not measured on this env (the habit probe is household-only)
         lines += ["", f"{name}:", "", "| algo | split | " + " | ".join(f"{u * per_update} ep" for u in updates) + " |",
                   "|---|---|" + "---|" * len(updates)] + rows
-        lines += ["", f"Episodes to reach GRPO's final {name} (valid_seen, mean over seeds): " + reach(curves, metric)]
     lines += ["", "| algo | parse_fail (first -> last update) | delta_abs_mean | teacher_token_share | adv_mean |",
               "|---|---|---|---|---|"]
     for algo in args.algos:
@@ -111,7 +113,7 @@ def summarise(args, runs):
         advantage = [x["adv_mean"] for m in metrics for x in m if "adv_mean" in x]  # token mean of A_grpo + lambda delta
         fmt = lambda v: f"{statistics.mean(v):.3f}" if v else "-"
         lines.append(f"| {algo} | {fmt(first)} -> {fmt(last)} | {fmt(delta)} | {fmt(share)} | {fmt(advantage)} |")
-    lines += ["", ratio_line(curves)]
+    lines += ["", ratio_line(curves, "habit_unlearned", "habit unlearned"), "", ratio_line(curves)]  # success last
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.root, "experiment.md"), "w") as f:
         f.write(text)
@@ -119,48 +121,34 @@ def summarise(args, runs):
     plot(args, curves)
 
 
-def reach(curves, metric):
-    """How many episodes SEED needs to reach GRPO's final mean on valid_seen (linear between evaluations),
-    as one sentence."""
-    grpo, seed_curve = curves.get((metric, "grpo", "valid_seen")), curves.get((metric, "seed", "valid_seen"))
-    if not grpo or not seed_curve:
-        return "needs both algorithms"
-    start, (budget, target, spread_over_seeds) = grpo[0][1], grpo[-1]
-    if target <= start:  # nothing to reach: the comparison would credit SEED with its own starting point
-        return f"GRPO did not improve on the warm-start ({start:.3f} -> {target:.3f} after {budget} episodes)"
-    if target - start <= spread_over_seeds:  # a gain inside the noise would make the comparison noise too
-        return (f"GRPO's gain ({start:.3f} -> {target:.3f} after {budget} episodes) is within its spread over "
-                f"seeds (± {spread_over_seeds:.3f}), so there is nothing to compare")
-    reached = episodes_to_reach(seed_curve, target)
-    return (f"GRPO {start:.3f} -> {target:.3f} after {budget} episodes; SEED "
-            + (f"reaches {target:.3f} after {reached:.0f} episodes ({1 - reached / max(1, budget):.0%} fewer; linear "
-               "between evaluations)" if reached is not None else f"does not reach {target:.3f} within {budget}"))
-
-
 def episodes_to_reach(curve, target):
     """The first training-episode count at which a [(episodes, mean, std)] curve reaches target, linear
     between evaluations; None when it never does."""
+    if curve and curve[0][1] >= target:
+        return curve[0][0]
     for (x0, y0, _), (x1, y1, _) in zip(curve, curve[1:]):
-        if y1 >= target:
-            return x0 + (x1 - x0) * (target - y0) / (y1 - y0) if y1 > y0 and y0 < target else x1
+        if y1 >= target:  # y0 < target <= y1
+            return x0 + (x1 - x0) * (target - y0) / (y1 - y0)
     return None
 
 
-def ratio_line(curves, metric="micro"):
+def ratio_line(curves, metric="micro", name="success"):
     """The experiment's last line: GRPO's episodes divided by the episodes SEED needs to reach GRPO's final
     valid_seen mean (linear between evaluations), and both final means +- std over seeds. "not different"
-    instead of a ratio when GRPO's gain or the final SEED-GRPO gap is within the spread over seeds."""
+    instead of a ratio when GRPO's gain or the final SEED-GRPO gap is within the spread over seeds. Another
+    metric than success (the habit probe) names itself after "episodes ratio (GRPO/SEED)"."""
+    head = "episodes ratio (GRPO/SEED)" + ("" if metric == "micro" else f" on {name}")
     grpo, seed_curve = curves.get((metric, "grpo", "valid_seen")), curves.get((metric, "seed", "valid_seen"))
     if not grpo or not seed_curve:
-        return "episodes ratio (GRPO/SEED): needs both algorithms"
+        return f"{head}: needs both algorithms"
     (budget, target, grpo_std), (_, final, seed_std) = grpo[-1], seed_curve[-1]
-    finals = f"final valid_seen success SEED {final:.3f} ± {seed_std:.3f}, GRPO {target:.3f} ± {grpo_std:.3f}"
+    finals = f"final valid_seen {name} SEED {final:.3f} ± {seed_std:.3f}, GRPO {target:.3f} ± {grpo_std:.3f}"
     gain, gap = target - grpo[0][1], final - target
     if gain <= grpo_std or abs(gap) <= max(seed_std, grpo_std):
-        return f"episodes ratio (GRPO/SEED): not different; {finals}"
+        return f"{head}: not different; {finals}"
     reached = episodes_to_reach(seed_curve, target)
     ratio = f"{budget / max(reached, 1e-9):.2f}" if reached else f"< 1 (SEED short of GRPO at {budget})"
-    return f"episodes ratio (GRPO/SEED): {ratio}; {finals}"
+    return f"{head}: {ratio}; {finals}"
 
 
 def evaluation_updates(runs):
@@ -387,12 +375,13 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds per algorithm")
     p.add_argument("--algos", nargs="+", default=["seed", "grpo"], choices=["seed", "grpo"], help="algorithms")
     p.add_argument("--updates", type=int, default=10, help="RL updates per run (equal episode budgets)")
-    p.add_argument("--eval-every", type=int, default=5, help="evaluate every K updates")
+    p.add_argument("--eval-every", type=int, default=2, help="evaluate every K updates")
     p.add_argument("--root", default="out/experiment", help="one sub-folder per run, plus the table")
     p.add_argument("--cache-dir", default="cache", help="where the shared warm-start is cached")
     p.add_argument("--warmup-seed", type=int, default=0, help="the one warm-start all runs share")
     p.add_argument("--rerun", action="store_true", help="redo runs that finished before")
-    p.add_argument("--jobs", type=int, default=1, help="runs at a time (each gets cores / jobs threads)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                   help="runs at a time, each with cores / jobs threads (default: 2, or 1 on one core)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, measures nothing")
     p.add_argument("--picture", metavar="RUN_DIR", help="write the delta picture for a finished run and exit")
     p.add_argument("--probes", metavar="MODEL_DIR", help="habit probe, skill lift and fixing-skill share of a model")

@@ -1,6 +1,6 @@
 """
 tests/test_experiment.py: experiments/experiment.py -- the SEED vs GRPO experiment runs end to end on a smoke
-scale, its "episodes to reach" and ratio readings refuse gains inside the noise, the probes measure a model,
+scale, its episodes ratio refuses gains inside the noise, the probes measure a model,
 and the delta picture and the token view show the tokens.
 
     python -m pytest -q tests/test_experiment.py
@@ -16,14 +16,10 @@ from experiments import experiment
 from test_seed import SKILL, read_lines
 
 
-def test_episodes_to_reach_interpolates_and_refuses_gains_inside_the_noise():
-    curves = {("m", "grpo", "valid_seen"): [(0, 0.3, 0), (160, 0.4, 0), (320, 0.55, 0)],
-              ("m", "seed", "valid_seen"): [(0, 0.3, 0), (160, 0.5, 0), (320, 0.7, 0)]}
-    assert "reaches 0.550 after 200 episodes (37% fewer" in experiment.reach(curves, "m"), experiment.reach(curves, "m")
-    curves[("m", "grpo", "valid_seen")][-1] = (320, 0.35, 0.08)
-    assert "within its spread" in experiment.reach(curves, "m")
-    curves[("m", "grpo", "valid_seen")][-1] = (320, 0.25, 0)
-    assert "did not improve" in experiment.reach(curves, "m")
+def test_episodes_to_reach_interpolates_between_evaluations():
+    curve = [(0, 0.3, 0), (160, 0.5, 0), (320, 0.7, 0)]
+    assert experiment.episodes_to_reach(curve, 0.55) == pytest.approx(200)
+    assert experiment.episodes_to_reach(curve, 0.3) == 0 and experiment.episodes_to_reach(curve, 0.71) is None
 
 
 def test_ratio_line_divides_episodes_and_says_not_different_inside_the_noise():
@@ -37,6 +33,9 @@ def test_ratio_line_divides_episodes_and_says_not_different_inside_the_noise():
     curves[("micro", "seed", "valid_seen")][-1] = (320, 0.70, 0.03)
     curves[("micro", "grpo", "valid_seen")][-1] = (320, 0.28, 0.05)  # GRPO's own gain inside its spread
     assert "not different" in experiment.ratio_line(curves)  # today: "50% fewer" for two equal curves
+    habit = {("habit_unlearned", algo, "valid_seen"): points for (_, algo, _), points in curves.items()}
+    assert experiment.ratio_line(habit, "habit_unlearned", "habit unlearned").startswith(
+        "episodes ratio (GRPO/SEED) on habit unlearned: not different; final valid_seen habit unlearned SEED 0.700")
 
 
 def test_experiment_smoke_writes_the_table(tmp_path, monkeypatch):
