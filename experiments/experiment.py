@@ -6,6 +6,7 @@ experiment.py: SEED vs GRPO on the embedded household env, and a picture of the 
     python experiments/experiment.py --picture out/experiment/seed-0     # delta picture of one trajectory (HTML + terminal)
     python experiments/experiment.py --probes MODEL_DIR                  # habit probe, skill lift, fixing-skill share
     python experiments/experiment.py --mechanism MODEL_DIR               # SEED vs GRPO updates on all-failed groups
+    python experiments/experiment.py --evaluate DIR [DIR ...]            # sampled evaluation of finished models
 
 Every run starts from the same cached warm-start (train.py --warmup-seed), gets the same episode budget
 (--updates x --tasks-per-update x --group-size) and is evaluated every --eval-every updates on valid_seen
@@ -277,6 +278,27 @@ def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4
     return found
 
 
+def evaluate_models(folders, temperature=0.4, tasks=96):
+    """A second reading of finished runs: each model folder (a warm-start or a checkpoint) evaluated with
+    train.evaluate at `temperature` on `tasks` household tasks per split. Prints and returns one dict each."""
+    import envs
+    import train
+    from models.policy import load_policy
+    cfg = train.get_config(["--eval-temperature", str(temperature), "--eval-tasks", str(tasks)], check=False)
+    options = envs.env_options(cfg.env, cfg.max_steps)
+    found = []
+    for folder in folders:
+        policy = load_policy(folder, device="cpu", dtype="float32")
+        row = {"model": folder, "temperature": temperature, "tasks": tasks}
+        for split in ("valid_seen", "valid_unseen"):
+            result = train.evaluate(policy, cfg, split, [envs.make_env(cfg.env, split, i, **options)
+                                                         for i in range(tasks)])
+            row[split], row[f"{split} invalid"] = result["micro"], result["invalid_share"]
+        print(" | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+        found.append(row)
+    return found
+
+
 def decision_steps(trajectories, rows):
     """Row indices of each trajectory's step right after it took its goal object (the habit's decision)."""
     found, row = [], 0
@@ -385,6 +407,10 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, measures nothing")
     p.add_argument("--picture", metavar="RUN_DIR", help="write the delta picture for a finished run and exit")
     p.add_argument("--probes", metavar="MODEL_DIR", help="habit probe, skill lift and fixing-skill share of a model")
+    p.add_argument("--evaluate", metavar="MODEL_DIR", nargs="+", help="evaluate finished models again "
+                   "(--eval-temperature, --eval-tasks) and exit")
+    p.add_argument("--eval-temperature", type=float, default=0.4, help="--evaluate: sampling temperature (OPID's)")
+    p.add_argument("--eval-tasks", type=int, default=96, help="--evaluate: tasks per split")
     p.add_argument("--mechanism", metavar="MODEL_DIR", help="one SEED and one GRPO update per round on all-failed "
                    "groups only, from MODEL_DIR: the habit probe before and after, |delta| and |A|")
     args = p.parse_args(argv)
@@ -392,6 +418,8 @@ def main(argv=None):
         return picture(args.picture)
     if args.probes:
         return probes(args.probes)
+    if args.evaluate:
+        return evaluate_models(args.evaluate, args.eval_temperature, args.eval_tasks)
     if args.mechanism:
         return mechanism(args.mechanism, seed_value=args.seeds[0])
     if args.smoke:

@@ -6,6 +6,7 @@ and the delta picture and the token view show the tokens.
     python -m pytest -q tests/test_experiment.py
 """
 import array
+import os
 import types
 
 import pytest
@@ -82,3 +83,13 @@ def test_skill_show_tokens_marks_trained_tokens():
     assert experiment.show_tokens([ord("x")], [1], tokenizer, color=False) == "[[x]]"
     with pytest.raises(ValueError):
         experiment.show_tokens([1, 2], [1], tokenizer)
+
+
+def test_evaluate_models_reads_finished_models_again():
+    """--evaluate: the shipped warm-start evaluated by train.evaluate on 2 tasks per split, sampled."""
+    from warmup import warm_start
+    folder = os.path.join(warm_start.SHIPPED_DIR, sorted(os.listdir(warm_start.SHIPPED_DIR))[0])
+    rows = experiment.evaluate_models([folder], temperature=0.4, tasks=2)
+    assert len(rows) == 1 and rows[0]["temperature"] == 0.4
+    for split in ("valid_seen", "valid_unseen"):
+        assert 0.0 <= rows[0][split] <= 1.0 and 0.0 <= rows[0][f"{split} invalid"] <= 1.0, rows
