@@ -93,3 +93,14 @@ def test_evaluate_models_reads_finished_models_again():
     assert len(rows) == 1 and rows[0]["temperature"] == 0.4
     for split in ("valid_seen", "valid_unseen"):
         assert 0.0 <= rows[0][split] <= 1.0 and 0.0 <= rows[0][f"{split} invalid"] <= 1.0, rows
+
+
+def test_a_seed_run_ends_with_the_delta_picture_command(tmp_path, capsys):
+    from training import logs
+    record = {"update": 1, "parse_fail": 0.1, "delta_abs_mean": 0.05, "delta_mean": -0.01, "delta_pos_share": 0.4,
+              "teacher_token_share": 0.9}
+    logs.save_metrics_line(str(tmp_path / "metrics.jsonl"), record)
+    logs.print_self_analysis(str(tmp_path / "metrics.jsonl"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("self-analysis over updates 1-1: parse failures 0.10 -> 0.10"), lines
+    assert lines[-1] == f"the delta picture of one episode: python experiments/experiment.py --picture {tmp_path}"

@@ -156,7 +156,8 @@ def warn_once(record, mini_batches, max_prompt_tokens):
 
 
 def print_self_analysis(metrics_path):
-    """One line on the self-analysis over the run (SEED): parse failures and delta per sampled token."""
+    """One line on the self-analysis over the run (SEED): parse failures and delta per sampled token; and
+    the command that shows delta on every token of one episode (the delta picture)."""
     if not os.path.exists(metrics_path):
         return
     records = [r for r in read_records(metrics_path) if r.get("parse_fail") is not None]
@@ -167,3 +168,5 @@ def print_self_analysis(metrics_path):
           f"{records[0]['parse_fail']:.2f} -> {records[-1]['parse_fail']:.2f} (mean {mean('parse_fail'):.2f}); "
           f"delta per sampled token: mean |delta| {mean('delta_abs_mean'):.4f}, mean {mean('delta_mean'):+.4f}, "
           f"share > 0 {mean('delta_pos_share'):.2f}; tokens with a teacher {mean('teacher_token_share'):.2f}")
+    print(f"the delta picture of one episode: python experiments/experiment.py --picture "
+          f"{os.path.dirname(metrics_path) or '.'}")
