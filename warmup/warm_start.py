@@ -40,7 +40,8 @@ from training.checkpoints import atomic_folder
 from warmup.annotator import annotate, read_jsonl
 
 WARMUP_VERSION = 7  # bump when the demonstrations change, so stale caches are not reused
-# (5: verl-agent's exact prompt templates; 7: contrast pairs, the habit's steps with and without its skill)
+# (5: verl-agent's exact prompt templates; 6: the skill side of the pairs alone, measured, not kept; 7: contrast
+# pairs, the habit's steps with and without its skill)
 HABIT_TASKS = ("pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_clean_then_place_in_recep")
 # share of those tasks' demonstrations with the skip habit: above one half, so the warm-started greedy policy
 # has the habit (RL's room to improve) while sampled rollouts still find the right workflow often
