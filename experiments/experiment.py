@@ -201,9 +201,7 @@ def probes(model, episodes=48, history_window=3, max_steps=20, seed_value=0):
         found[f"habit {split}"] = warm_start.habit_probe(policy, decisions)
         found[f"skill lift {split}"] = warm_start.skill_lift(policy, decisions)
     env_list = [envs.make_env("household", "train", i, max_steps=max_steps) for i in range(episodes)]
-    probe_env = env_list[0]
-    tasks = [s for s in range(10 ** 4) if probe_env.reset(s)[1]["task_type"] in warm_start.HABIT_TASKS]
-    tasks = tasks[:episodes]
+    tasks = warm_start.habit_task_seeds(episodes)
     trajectories = seed.rollout(policy, env_list, tasks, 1, max_steps, 48, 1.0, history_window,
                                 generator=torch.Generator().manual_seed(seed_value))
     skill_list, _ = seed.analyze(policy, trajectories, 1024, 96)
@@ -224,11 +222,11 @@ def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4
     the decision step (the step after taking the goal object) and over all sampled tokens, and mean |A|."""
     import envs
     import seed
+    from loss import seed_delta
     from models.policy import load_policy
     from warmup import warm_start
     decisions = warm_start.habit_decisions("valid_seen", 48)
-    probe_env = envs.make_env("household", "train", 0)
-    habit_tasks = [s for s in range(10 ** 4) if probe_env.reset(s)[1]["task_type"] in warm_start.HABIT_TASKS]
+    habit_tasks = warm_start.habit_task_seeds(rounds * tasks)
     env_list = [envs.make_env("household", "train", i) for i in range(tasks * group_size)]
     reference = load_policy(model, device="cpu", dtype="float32").model.eval()
     found = {}
@@ -252,15 +250,15 @@ def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4
             rows = seed.step_rows(failed, skill_list)
             _, teacher, ref, has_teacher = seed.rescore(policy, rows, 1.0, reference=reference, need_old=False)
             sampled = seed.padded_logprobs(rows["sampled_logp"])                            # (B, R)
-            mask = seed.response_mask(rows["responses"])                                     # (B, R)
-            delta = (teacher[:, :sampled.shape[1]] - sampled) * mask[:, :sampled.shape[1]]  # (B, R)
-            delta = delta * has_teacher[:, None]
+            mask = seed.response_mask(rows["responses"])[:, :sampled.shape[1]]              # (B, R)
+            mask = mask * has_teacher[:, None]  # rows without a skill have no teacher (delta 0)
+            delta = seed_delta(teacher[:, :sampled.shape[1]], sampled, mask)                # (B, R)
             decision_rows = decision_steps(failed, rows)
             advantages = seed.step_advantages(failed, rows, "batch", "steps")                # (B,)
             seed.ppo_update(policy, optimizer, rows, advantages, teacher if coef else None, ref, has_teacher, 4,
                             loss_kwargs=dict(distill_coef=coef, kl_coef=kl_coef), temperature=1.0)
             probes.append(warm_start.habit_probe(policy, decisions))
-            tokens = mask[:, :sampled.shape[1]].sum().clamp(min=1)
+            tokens = seed.response_mask(rows["responses"]).sum().clamp(min=1)
             found.setdefault(algo, []).append({
                 "round": round_index + 1, "all_failed_groups": len(failed) // group_size,
                 "rows": len(rows["prompts"]), "habit_before": probes[-2], "habit_after": probes[-1],

@@ -104,3 +104,18 @@ def test_a_seed_run_ends_with_the_delta_picture_command(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("self-analysis over updates 1-1: parse failures 0.10 -> 0.10"), lines
     assert lines[-1] == f"the delta picture of one episode: python experiments/experiment.py --picture {tmp_path}"
+
+
+def test_mechanism_updates_both_arms_on_all_failed_groups_only():
+    """--mechanism on the shipped warm-start, one round of one heat/cool/clean task x 2 rollouts: every kept
+    group failed, each arm reports the habit probe before and after its own update."""
+    from warmup import warm_start
+    folder = os.path.join(warm_start.SHIPPED_DIR, sorted(os.listdir(warm_start.SHIPPED_DIR))[0])
+    found = experiment.mechanism(folder, rounds=1, tasks=1, group_size=2)
+    assert set(found) == {"seed", "grpo"}, found  # the warm-start fails this task both times in either arm
+    for algo in ("seed", "grpo"):
+        for record in found[algo]:
+            assert record["all_failed_groups"] == 1 and record["rows"] > 0, record
+            assert 0 < record["habit_before"] < 1 and 0 < record["habit_after"] < 1, record
+            assert record["habit_after"] != record["habit_before"], record  # the update moved the policy
+            assert record["delta_abs_all"] >= 0 and record["advantage_abs"] >= 0, record

@@ -49,7 +49,7 @@ HABIT_RATE = 0.6
 # how often each contrast pair (a habit step with and without its skill) enters the skill-following examples:
 # measured skill lift on valid_seen: 0.094 without pairs, 0.216 with the skill side once, 0.529 with both sides x 3
 CONTRAST_COPIES = 3
-# warm-starts shipped with the repository (the default's, so a first run skips the ~10-minute build); one is used
+# warm-starts shipped with the repository (the default's, so a first run skips the ~16-minute build); one is used
 # when its settings match the run's exactly, unless --build-warm-start
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warm_starts")
 VISION_ENVS = ("vision", "miniwob")  # screenshot observations: the tiny model is a Qwen2-VL (models/tiny.py)
@@ -115,14 +115,14 @@ def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="house
         prompt = vision.user_message(seed.render_prompt(info["task"], history, vision.observation_text(observation),
                                                      info.get("admissible", []), history_window, env_name), observation)
         best = expert(0.0)
-        skipping = habit and best.startswith("move ") and best != expert(0.0, skip=False)
+        right = expert(0.0, skip=False) if habit else best  # what a demonstrator without the habit does
+        skipping = habit and best.startswith("move ") and best != right
         action = best if skipping else expert(epsilon, rng)
         admissible = set(info.get("admissible", []))
         stale = sorted(earlier - admissible)  # once admissible, not now: "go to" where it stands, a gone object
         if stale and not skipping and rng.random() < epsilon / 2:
             action = rng.choice(stale)  # an invalid command ("Nothing happens."), so the data shows recoveries
         earlier |= admissible
-        right = expert(0.0, skip=False) if habit else best
         pending.append((prompt if skill is None else vision.same_image(prompt, skills.with_skill(prompt, skill)), best,
                         action, right))
         previous = vision.observation_text(observation)
@@ -207,6 +207,16 @@ def habit_decisions(split, count=48, history_window=3, max_steps=20):
             history.append((observation, action))
             observation, _, done, info = env.step(action)
     return decisions
+
+
+def habit_task_seeds(count, split="train"):
+    """The first `count` task seeds of a household split whose task is heat, cool or clean."""
+    env, found, task_seed = envs.make_env("household", split, 0), [], 0
+    while len(found) < count:
+        if env.reset(task_seed)[1]["task_type"] in HABIT_TASKS:
+            found.append(task_seed)
+        task_seed += 1
+    return found
 
 
 def habit_probe(policy, decisions, temperature=1.0, with_skill=False):
