@@ -5,6 +5,8 @@ experiments/vision_probes.py: does a fresh tiny VLM learn to see? The probes beh
     python experiments/vision_probes.py --probe colour --clip-statistics  # the same under CLIP's normalisation
     python experiments/vision_probes.py --probe cell                      # "Click the red circle." with one shape
     python experiments/vision_probes.py --probe cell --shapes 4           # ... among 4 shapes
+    python experiments/vision_probes.py --probe cell --shapes 4 --distractors colour   # ... all 4 of one shape
+    python experiments/vision_probes.py --probe cell --shapes 4 --screen-as-text       # ... the screen as text
     python experiments/vision_probes.py --probe task --steps 800          # the vision env's first click
 
 Each probe builds a fresh tiny Qwen2-VL (models/tiny.py), trains it with the warm-up's SFT step
@@ -15,6 +17,7 @@ on valid_seen and valid_unseen. Numbers move from machine to machine and with th
 which a probe leaves chance moves with the seed.
 """
 import argparse
+import functools
 import os
 import random
 import sys
@@ -41,11 +44,23 @@ def colour_example(rng, shapes=1):
     return vision.ImageText("What colour is the item?", image), list(COLORS).index(colour) + 1
 
 
-def cell_example(rng, shapes=1):
-    """`shapes` shapes of different looks; the answer is the cell (1-16) of the one the instruction names."""
+def cell_example(rng, shapes=1, distractors="any", screen_as_text=False):
+    """`shapes` shapes of different looks; the answer is the cell (1-16) of the one the instruction names.
+    distractors: "any" (looks differ in colour, shape or both), "colour" (one shape, the colours differ: the
+    instruction's colour word alone decides), "shape" (one colour, the shapes differ).
+    screen_as_text: no image; the screen is written out, items in random order ("On the screen: cell 12 yellow
+    cross, cell 3 red cross, ... Click the yellow cross."), a perfect reader: what is left is the language hop."""
     cells = rng.sample(range(GRID * GRID), shapes)
-    looks = rng.sample([(c, s) for c in COLORS for s in SHAPES], shapes)
-    return vision.ImageText(f"Click the {looks[0][0]} {looks[0][1]}.", render(dict(zip(cells, looks)))), cells[0] + 1
+    colour, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
+    pool = {"any": [(c, s) for c in COLORS for s in SHAPES], "colour": [(c, shape) for c in COLORS],
+            "shape": [(colour, s) for s in SHAPES]}[distractors]
+    looks = rng.sample(pool, shapes)
+    instruction = f"Click the {looks[0][0]} {looks[0][1]}."
+    if screen_as_text:
+        items = [f"cell {cell + 1} {c} {s}" for cell, (c, s) in zip(cells, looks)]
+        rng.shuffle(items)
+        return f"On the screen: {', '.join(items)}. {instruction}", cells[0] + 1
+    return vision.ImageText(instruction, render(dict(zip(cells, looks)))), cells[0] + 1
 
 
 def task_examples(split, count, seed_value):
@@ -75,9 +90,12 @@ def evaluate(policy, examples, answers, think=""):
 
 
 def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, shapes=1, clip_statistics=False,
-              eval_every=50, seed_value=0, folder=None, log=print, first_steps=0):
+              eval_every=50, seed_value=0, folder=None, log=print, first_steps=0, distractors="any",
+              screen_as_text=False, distinct=3900):
     """Train a fresh tiny VLM on the probe; returns [(step, accuracy, p_right[, unseen accuracy, p_right])].
-    first_steps: a curriculum, the first steps on the one-shape cell probe (in the probe's answer format)."""
+    first_steps: a curriculum, the first steps on the one-shape cell probe (in the probe's answer format).
+    distractors, screen_as_text: the cell probe's (cell_example). distinct: how many different training examples
+    the colour and cell probes draw from (3,900: 3,000 steps of 32 see each about 25 times)."""
     rng = random.Random(seed_value)
     if probe == "task":
         demo_env = envs.make_env("vision", "train", seed_value)
@@ -89,13 +107,14 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
         held_out = {split: task_examples(split, 48, 1) for split in ("valid_seen", "valid_unseen")}
         answers, think = GRID * GRID, THINK
     else:
-        make = colour_example if probe == "colour" else cell_example
-        examples = [make(rng, shapes) for _ in range(4000)]
-        train = [(prompt, answer_text(k)) for prompt, k in examples[:3900]]
-        held_out = {"held_out": examples[3900:3948]}
+        make = colour_example if probe == "colour" else functools.partial(cell_example, distractors=distractors,
+                                                                          screen_as_text=screen_as_text)
+        examples = [make(rng, shapes) for _ in range(distinct + 100)]
+        train = [(prompt, answer_text(k)) for prompt, k in examples[:distinct]]
+        held_out = {"held_out": examples[distinct:distinct + 48]}
         answers, think = (len(COLORS) if probe == "colour" else GRID * GRID), ""
     easy_rng = random.Random(seed_value + 1)  # its own stream: the probe's data and batches stay as without it
-    easy = [cell_example(easy_rng) for _ in range(4000 if first_steps else 0)]
+    easy = [cell_example(easy_rng, screen_as_text=screen_as_text) for _ in range(4000 if first_steps else 0)]
     easy = [(prompt, answer_text(k, think)) for prompt, k in easy]
     with tempfile.TemporaryDirectory(prefix="vision_probe_") as scratch:  # the model folder, unless one is given
         policy = tiny.build_tiny_vlm([p + r for p, r in train[:2000]], folder or scratch, seed=seed_value)
@@ -131,6 +150,12 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
     p.add_argument("--first-steps", type=int, default=0,
                    help="curriculum: this many steps on one-shape cell probes first")
+    p.add_argument("--distractors", default="any", choices=["any", "colour", "shape"],
+                   help="cell probe: how the other shapes differ from the named one (colour: only in colour)")
+    p.add_argument("--screen-as-text", action="store_true",
+                   help="cell probe: the screen written out as text, no image (a perfect reader)")
+    p.add_argument("--distinct", type=int, default=3900, help="colour and cell probes: distinct training examples")
     args = p.parse_args()
     run_probe(args.probe, args.steps, args.batch_size, args.lr, args.beta2, args.shapes, args.clip_statistics,
-              args.eval_every, args.seed, first_steps=args.first_steps)
+              args.eval_every, args.seed, first_steps=args.first_steps, distractors=args.distractors,
+              screen_as_text=args.screen_as_text, distinct=args.distinct)

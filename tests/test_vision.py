@@ -9,6 +9,7 @@ when the package or the browser is missing (.ci/run installs both).
 import importlib.util
 import math
 import os
+import random
 import subprocess
 import sys
 import types
@@ -136,6 +137,25 @@ def test_tiny_vlm_learns_to_see_colour_within_200_steps(tmp_path):
     _, accuracy, p_right = results[-1]
     print(f"\ncolour probe after 200 steps: accuracy {accuracy:.2f}, p(right) {p_right:.2f} (chance 0.17)")
     assert accuracy >= 0.9, results
+
+
+@pytest.mark.parametrize("distractors", ["any", "colour", "shape"])
+def test_cell_probe_examples_name_one_item_and_answer_its_cell(distractors):
+    """vision_probes.cell_example: 4 items of different looks, differing only in colour or only in shape when
+    asked; the screen-as-text variant lists the same items (shuffled) and the answer is the named item's cell."""
+    for seed_value in range(20):
+        prompt, cell = vision_probes.cell_example(random.Random(seed_value), 4, distractors, screen_as_text=True)
+        listed, instruction = prompt.split(". Click the ")
+        words = [item.split(" ") for item in listed.removeprefix("On the screen: ").split(", ")]
+        items = {f"cell {w[1]}": f"{w[2]} {w[3]}" for w in words}  # "cell 12 red circle": "cell 12" -> "red circle"
+        assert len(items) == 4 and len(set(items.values())) == 4, prompt
+        assert items[f"cell {cell}"] == instruction.rstrip("."), prompt
+        colours, shapes = {look.split()[0] for look in items.values()}, {look.split()[1] for look in items.values()}
+        assert distractors != "colour" or len(shapes) == 1, prompt
+        assert distractors != "shape" or len(colours) == 1, prompt
+        image_prompt, image_cell = vision_probes.cell_example(random.Random(seed_value), 4, distractors)
+        assert image_cell == cell and str(image_prompt) == "Click the " + instruction  # same draw, with pixels
+        assert image_prompt.image.shape == (112, 112, 3)
 
 
 # =============================================================================
