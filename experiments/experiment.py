@@ -250,15 +250,15 @@ def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4
             rows = seed.step_rows(failed, skill_list)
             _, teacher, ref, has_teacher = seed.rescore(policy, rows, 1.0, reference=reference, need_old=False)
             sampled = seed.padded_logprobs(rows["sampled_logp"])                            # (B, R)
-            mask = seed.response_mask(rows["responses"])[:, :sampled.shape[1]]              # (B, R)
-            mask = mask * has_teacher[:, None]  # rows without a skill have no teacher (delta 0)
+            response = seed.response_mask(rows["responses"])                                  # (B, R')
+            mask = response[:, :sampled.shape[1]] * has_teacher[:, None]  # no skill, no teacher: delta 0 (B, R)
             delta = seed_delta(teacher[:, :sampled.shape[1]], sampled, mask)                # (B, R)
             decision_rows = decision_steps(failed, rows)
             advantages = seed.step_advantages(failed, rows, "batch", "steps")                # (B,)
             seed.ppo_update(policy, optimizer, rows, advantages, teacher if coef else None, ref, has_teacher, 4,
                             loss_kwargs=dict(distill_coef=coef, kl_coef=kl_coef), temperature=1.0)
             probes.append(warm_start.habit_probe(policy, decisions))
-            tokens = seed.response_mask(rows["responses"]).sum().clamp(min=1)
+            tokens = response.sum().clamp(min=1)
             found.setdefault(algo, []).append({
                 "round": round_index + 1, "all_failed_groups": len(failed) // group_size,
                 "rows": len(rows["prompts"]), "habit_before": probes[-2], "habit_after": probes[-1],

@@ -85,11 +85,16 @@ def test_skill_show_tokens_marks_trained_tokens():
         experiment.show_tokens([1, 2], [1], tokenizer)
 
 
-def test_evaluate_models_reads_finished_models_again():
-    """--evaluate: the shipped warm-start evaluated by train.evaluate on 2 tasks per split, sampled."""
+@pytest.fixture(scope="module")
+def shipped():
+    """The warm-start shipped in warm_starts/ (the default run's)."""
     from warmup import warm_start
-    folder = os.path.join(warm_start.SHIPPED_DIR, sorted(os.listdir(warm_start.SHIPPED_DIR))[0])
-    rows = experiment.evaluate_models([folder], temperature=0.4, tasks=2)
+    return os.path.join(warm_start.SHIPPED_DIR, sorted(os.listdir(warm_start.SHIPPED_DIR))[0])
+
+
+def test_evaluate_models_reads_finished_models_again(shipped):
+    """--evaluate: the shipped warm-start evaluated by train.evaluate on 2 tasks per split, sampled."""
+    rows = experiment.evaluate_models([shipped], temperature=0.4, tasks=2)
     assert len(rows) == 1 and rows[0]["temperature"] == 0.4
     for split in ("valid_seen", "valid_unseen"):
         assert 0.0 <= rows[0][split] <= 1.0 and 0.0 <= rows[0][f"{split} invalid"] <= 1.0, rows
@@ -106,12 +111,10 @@ def test_a_seed_run_ends_with_the_delta_picture_command(tmp_path, capsys):
     assert lines[-1] == f"the delta picture of one episode: python experiments/experiment.py --picture {tmp_path}"
 
 
-def test_mechanism_updates_both_arms_on_all_failed_groups_only():
+def test_mechanism_updates_both_arms_on_all_failed_groups_only(shipped):
     """--mechanism on the shipped warm-start, one round of one heat/cool/clean task x 2 rollouts: every kept
     group failed, each arm reports the habit probe before and after its own update."""
-    from warmup import warm_start
-    folder = os.path.join(warm_start.SHIPPED_DIR, sorted(os.listdir(warm_start.SHIPPED_DIR))[0])
-    found = experiment.mechanism(folder, rounds=1, tasks=1, group_size=2)
+    found = experiment.mechanism(shipped, rounds=1, tasks=1, group_size=2)
     assert set(found) == {"seed", "grpo"}, found  # the warm-start fails this task both times in either arm
     for algo in ("seed", "grpo"):
         for record in found[algo]:
