@@ -22,7 +22,7 @@ import seed
 import skills
 from adapters import miniwob as miniwob_adapter
 from envs import make_env
-from experiments import vision_probes
+from experiments import recall_probe, vision_probes
 from models import vision
 from models.policy import Policy
 from models.tiny import build_tiny_vlm
@@ -156,6 +156,25 @@ def test_cell_probe_examples_name_one_item_and_answer_its_cell(distractors):
         image_prompt, image_cell = vision_probes.cell_example(random.Random(seed_value), 4, distractors)
         assert image_cell == cell and str(image_prompt) == "Click the " + instruction  # same draw, with pixels
         assert image_prompt.image.shape == (112, 112, 3)
+
+
+def test_recall_probe_asks_every_key_once_and_answers_its_value():
+    """recall_probe.recall_batch: pairs written value first, then each key asked once, followed by the value it
+    was written with; keys within a sequence are distinct, keys and values use disjoint token ids."""
+    tokens = recall_probe.recall_batch(64, 4, torch.Generator().manual_seed(0))
+    assert tokens.shape == (64, 16)
+    for row in tokens.tolist():
+        written = {row[i + 1]: row[i] for i in range(0, 8, 2)}  # key -> value
+        asked = [(row[i], row[i + 1]) for i in range(8, 16, 2)]  # (key, answer)
+        assert len(written) == 4 and sorted(k for k, _ in asked) == sorted(written), row
+        assert all(written[key] == answer for key, answer in asked), row
+        assert max(written) <= recall_probe.KEYS < min(written.values()), row
+
+
+def test_recall_probe_runs_and_scores_the_first_query():
+    """Two steps of the probe end to end: an accuracy in [0, 1] at each evaluation."""
+    results = recall_probe.run_recall_probe(steps=2, eval_every=1, log=lambda line: None)
+    assert [step for step, _ in results] == [1, 2] and all(0 <= accuracy <= 1 for _, accuracy in results)
 
 
 # =============================================================================
