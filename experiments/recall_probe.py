@@ -53,22 +53,32 @@ def recall_batch(count, pairs, generator, key_tokens=1, filler=0):
 
 
 def run_recall_probe(steps=2000, pairs=4, queries="all", init_std=0.02, lr=1e-3, batch_size=32, seed_value=0,
-                     eval_every=250, log=print, key_tokens=1, filler=0):
-    """Train a fresh tiny Qwen2 on recall; returns [(step, first-query accuracy)] on 512 held-out sequences."""
+                     eval_every=250, log=print, key_tokens=1, filler=0, plain_steps=0, model=None, vocabulary=None):
+    """Train a fresh tiny Qwen2 on recall, the first `plain_steps` steps without filler (a curriculum);
+    returns [(step, first-query accuracy)] on 512 held-out sequences with the filler.
+    model, vocabulary: train this causal LM instead (a warm-up stage), the probe's token i written as its token
+    vocabulary[i] (a LongTensor of 1 + KEYS + VALUES ids)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def answer_positions(filler):  # where the queried values sit
+        item = filler + key_tokens + 1  # tokens per written pair and per query
+        return torch.arange(pairs * item + item - 1, 2 * pairs * item, item)[:1 if queries == "one" else None]
+
     torch.manual_seed(seed_value)
-    item = filler + key_tokens + 1  # tokens per written pair and per query
-    config = Qwen2Config(vocab_size=1 + KEYS + VALUES, max_position_embeddings=2 * pairs * item, tie_word_embeddings=True,
-                         initializer_range=init_std, **TINY_SIZES)
-    model = Qwen2ForCausalLM(config)
+    if model is None:
+        config = Qwen2Config(vocab_size=1 + KEYS + VALUES, max_position_embeddings=2 * pairs * (filler + key_tokens + 1),
+                             tie_word_embeddings=True, initializer_range=init_std, **TINY_SIZES)
+        model = Qwen2ForCausalLM(config)
+    vocabulary = torch.arange(1 + KEYS + VALUES) if vocabulary is None else vocabulary  # (1 + KEYS + VALUES,)
     # the warm-up's optimizer for screenshots (warmup.warm_start.warmup_optimizer), at a constant rate
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    answers = torch.arange(pairs * item + item - 1, 2 * pairs * item, item)[:1 if queries == "one" else None]  # values
     generator = torch.Generator().manual_seed(seed_value)
-    held_out = recall_batch(512, pairs, torch.Generator().manual_seed(10 ** 6), key_tokens, filler)  # same every run
+    held_out = vocabulary[recall_batch(512, pairs, torch.Generator().manual_seed(10 ** 6), key_tokens, filler)]
     results, start = [], time.time()
     for step in range(1, steps + 1):
-        tokens = recall_batch(batch_size, pairs, generator, key_tokens, filler)          # (B, 2PL)
+        step_filler = 0 if step <= plain_steps else filler
+        tokens = vocabulary[recall_batch(batch_size, pairs, generator, key_tokens, step_filler)]  # (B, 2PL)
+        answers = answer_positions(step_filler)                                           # (Q,)
         logits = model(tokens[:, :-1]).logits[:, answers - 1]                           # (B, Q, V)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, answers].flatten())
         optimizer.zero_grad(set_to_none=True)
@@ -76,7 +86,7 @@ def run_recall_probe(steps=2000, pairs=4, queries="all", init_std=0.02, lr=1e-3,
         optimizer.step()
         if step % eval_every == 0 or step == steps:
             with torch.no_grad():
-                first = answers[0].item()
+                first = answer_positions(filler)[0].item()
                 guess = model(held_out[:, :first]).logits[:, -1].argmax(-1)              # (512,)
                 accuracy = (guess == held_out[:, first]).float().mean().item()
             results.append((step, accuracy))
@@ -99,8 +109,10 @@ if __name__ == "__main__":
     p.add_argument("--key-tokens", type=int, default=1, choices=[1, 2, 3, 4],
                    help="tokens per key (2: a colour word and a shape word, each from its own 6)")
     p.add_argument("--filler", type=int, default=0, help="filler tokens before each pair and each query")
+    p.add_argument("--plain-steps", type=int, default=0, help="the first K steps without the filler (a curriculum)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (docs/vision.md's figures: 1)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     run_recall_probe(args.steps, args.pairs, args.queries, args.init_std, args.lr, args.batch_size, args.seed,
-                     args.eval_every, key_tokens=args.key_tokens, filler=args.filler)
+                     args.eval_every, key_tokens=args.key_tokens, filler=args.filler,
+                     plain_steps=args.plain_steps)

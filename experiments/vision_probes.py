@@ -8,6 +8,7 @@ experiments/vision_probes.py: does a fresh tiny VLM learn to see? The probes beh
     python experiments/vision_probes.py --probe cell --shapes 4 --distractors colour   # ... all 4 of one shape
     python experiments/vision_probes.py --probe cell --shapes 4 --screen-as-text       # ... the screen as text
     python experiments/vision_probes.py --probe task --steps 800          # the vision env's first click
+    python experiments/vision_probes.py --probe cell --shapes 4 --init-std 0.08 --recall-steps 2500   # recall first
 
 Each probe builds a fresh tiny Qwen2-VL (models/tiny.py), trains it with the warm-up's SFT step
 (warmup.warm_start.supervised_step) on (screenshot + question, "<action>click K</action>") pairs and prints,
@@ -29,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 import envs  # noqa: E402
 import seed  # noqa: E402
+from experiments import recall_probe  # noqa: E402
 from models import tiny, vision  # noqa: E402
 from simulators.vision import COLORS, GRID, SHAPES, render  # noqa: E402
 from warmup import warm_start  # noqa: E402
@@ -91,11 +93,13 @@ def evaluate(policy, examples, answers, think=""):
 
 def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, shapes=1, clip_statistics=False,
               eval_every=50, seed_value=0, folder=None, log=print, first_steps=0, distractors="any",
-              screen_as_text=False, distinct=3900):
+              screen_as_text=False, distinct=3900, init_std=0.02, recall_steps=0):
     """Train a fresh tiny VLM on the probe; returns [(step, accuracy, p_right[, unseen accuracy, p_right])].
     first_steps: a curriculum, the first steps on the one-shape cell probe (in the probe's answer format).
     distractors, screen_as_text: the cell probe's (cell_example). distinct: how many different training examples
-    the colour and cell probes draw from (3,900: 3,000 steps of 32 see each about 25 times)."""
+    the colour and cell probes draw from (3,900: 3,000 steps of 32 see each about 25 times). init_std: the language
+    model's initializer_range. recall_steps: a stage before everything, the bare recall task of recall_probe.py
+    written in arbitrary tokens (byte tokens 100-140), the hop the cell probe needs without its long prompt."""
     rng = random.Random(seed_value)
     if probe == "task":
         demo_env = envs.make_env("vision", "train", seed_value)
@@ -117,7 +121,11 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
     easy = [cell_example(easy_rng, screen_as_text=screen_as_text) for _ in range(4000 if first_steps else 0)]
     easy = [(prompt, answer_text(k, think)) for prompt, k in easy]
     with tempfile.TemporaryDirectory(prefix="vision_probe_") as scratch:  # the model folder, unless one is given
-        policy = tiny.build_tiny_vlm([p + r for p, r in train[:2000]], folder or scratch, seed=seed_value)
+        policy = tiny.build_tiny_vlm([p + r for p, r in train[:2000]], folder or scratch, seed=seed_value,
+                                     initializer_range=init_std)
+    if recall_steps:
+        recall_probe.run_recall_probe(recall_steps, seed_value=seed_value, eval_every=250, log=log,
+                                      model=policy.model, vocabulary=torch.arange(100, 141))
     if clip_statistics:
         policy.tokenizer.image_processor.image_mean, policy.tokenizer.image_processor.image_std = CLIP_STATISTICS
     torch.manual_seed(seed_value)
@@ -154,8 +162,12 @@ if __name__ == "__main__":
                    help="cell probe: how the other shapes differ from the named one (colour: only in colour)")
     p.add_argument("--screen-as-text", action="store_true",
                    help="cell probe: the screen written out as text, no image (a perfect reader)")
+    p.add_argument("--init-std", type=float, default=0.02, help="the language model's initial weight std")
+    p.add_argument("--recall-steps", type=int, default=0,
+                   help="first train K steps on recall_probe.py's bare recall task (arbitrary tokens)")
     p.add_argument("--distinct", type=int, default=3900, help="colour and cell probes: distinct training examples")
     args = p.parse_args()
     run_probe(args.probe, args.steps, args.batch_size, args.lr, args.beta2, args.shapes, args.clip_statistics,
               args.eval_every, args.seed, first_steps=args.first_steps, distractors=args.distractors,
-              screen_as_text=args.screen_as_text, distinct=args.distinct)
+              screen_as_text=args.screen_as_text, distinct=args.distinct, init_std=args.init_std,
+              recall_steps=args.recall_steps)

@@ -171,10 +171,41 @@ def test_recall_probe_asks_every_key_once_and_answers_its_value():
         assert max(written) <= recall_probe.KEYS < min(written.values()), row
 
 
+def test_recall_probe_two_word_keys_with_filler_keep_the_layout():
+    """--key-tokens 2 --filler 1: each pair is (filler, value, word 1, word 2), each query (filler, word 1, word 2,
+    value); word j comes from its own WORD_CHOICES ids, so two keys may share a word but never both."""
+    tokens = recall_probe.recall_batch(64, 4, torch.Generator().manual_seed(0), key_tokens=2, filler=1)
+    assert tokens.shape == (64, 32)
+    choices = recall_probe.WORD_CHOICES
+    for row in tokens.tolist():
+        items = [row[i:i + 4] for i in range(0, 32, 4)]
+        assert all(item[0] == 0 for item in items), row
+        written = {tuple(item[2:]): item[1] for item in items[:4]}  # key -> value
+        asked = [(tuple(item[1:3]), item[3]) for item in items[4:]]  # (key, answer)
+        assert len(written) == 4 and all(written[key] == answer for key, answer in asked), row
+        assert all(1 <= a <= choices < b <= 2 * choices for a, b in written), row
+
+
 def test_recall_probe_runs_and_scores_the_first_query():
     """Two steps of the probe end to end: an accuracy in [0, 1] at each evaluation."""
     results = recall_probe.run_recall_probe(steps=2, eval_every=1, log=lambda line: None)
     assert [step for step, _ in results] == [1, 2] and all(0 <= accuracy <= 1 for _, accuracy in results)
+
+
+def test_recall_probe_trains_a_given_model_in_its_own_tokens():
+    """The warm-up-stage form (vision_probes --recall-steps): a given model, the probe's tokens mapped to that
+    model's ids, a plain first step then the filler; the model's weights move and its answers are scored."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    before = model.model.embed_tokens.weight.detach().clone()
+    results = recall_probe.run_recall_probe(steps=2, eval_every=2, log=lambda line: None, filler=1, plain_steps=1,
+                                            model=model, vocabulary=torch.arange(100, 141))
+    moved = (model.model.embed_tokens.weight - before).abs().amax(-1)              # (160,)
+    # read input rows take Adam steps (about lr); the others only weight decay (about lr x 0.01 x weight)
+    assert moved[100:141].min() > 100 * torch.cat([moved[:100], moved[141:]]).max(), moved
+    assert len(results) == 1 and 0 <= results[0][1] <= 1
 
 
 # =============================================================================
