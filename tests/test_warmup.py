@@ -325,6 +325,7 @@ def test_the_default_run_finds_the_shipped_warm_start(tmp_path, monkeypatch):
     shipped = json.load(open(f"{path}/warmup.json"))
     assert shipped["version"] == warm_start.WARMUP_VERSION and shipped["steps"] == cfg.warmup_steps
     policy = load_policy(path)
+    assert policy.model.config.initializer_range == warm_start.TEXT_INIT_STD  # built the way build_warm_start builds
     decisions = warm_start.habit_decisions("valid_seen", 8)
     assert 0.0 < warm_start.habit_probe(policy, decisions) < 1.0  # a working model, not a placeholder
 
