@@ -9,13 +9,15 @@ experiments/vision_probes.py: does a fresh tiny VLM learn to see? The probes beh
     python experiments/vision_probes.py --probe cell --shapes 4 --screen-as-text       # ... the screen as text
     python experiments/vision_probes.py --probe task --steps 800          # the vision env's first click
     python experiments/vision_probes.py --probe cell --shapes 4 --init-std 0.08 --recall-steps 2500   # recall first
+    python experiments/vision_probes.py --probe cell --shapes 4 --init-std 0.08 --own-recall 2:1500 4:1500
 
 Each probe builds a fresh tiny Qwen2-VL (models/tiny.py), trains it with the warm-up's SFT step
 (warmup.warm_start.supervised_step) on (screenshot + question, "<action>click K</action>") pairs and prints,
 every --eval-every steps, the accuracy (argmax over the K answers) and the mean probability of the right answer
 on held-out screens. The task probe clones the env's expert (acting examples only) and scores its first click
 on valid_seen and valid_unseen. Numbers move from machine to machine and with the thread count; the step at
-which a probe leaves chance moves with the seed.
+which a probe leaves chance moves with the seed. --recall-steps and --own-recall put recall stages before the
+probe: the bare task of recall_probe.py in arbitrary tokens, or the same hop in the probe's own words.
 """
 import argparse
 import functools
@@ -65,6 +67,63 @@ def cell_example(rng, shapes=1, distractors="any", screen_as_text=False):
     return vision.ImageText(instruction, render(dict(zip(cells, looks)))), cells[0] + 1
 
 
+def own_words_recall_batch(tokenizer, rng, count, items):
+    """Recall in the cell probe's own tokens, short: per item its number then its look (" 13 yellow circle"),
+    then every look again in a random order, each followed by its number. Returns tokens (count, T), right-padded,
+    and the loss mask (count, T): 1 on the tokens of the asked numbers."""
+    piece = functools.lru_cache(maxsize=None)(lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+    rows, masks = [], []
+    for _ in range(count):
+        cells = rng.sample(range(GRID * GRID), items)
+        looks = rng.sample([(c, s) for c in COLORS for s in SHAPES], items)
+        numbers, words = [piece(f" {cell + 1}") for cell in cells], [piece(f" {c} {s}") for c, s in looks]
+        row = [t for number, word in zip(numbers, words) for t in number + word]
+        mask = [0] * len(row)
+        for i in rng.sample(range(items), items):
+            row += words[i] + numbers[i]
+            mask += [0] * len(words[i]) + [1] * len(numbers[i])
+        rows.append(row)
+        masks.append(mask)
+    width = max(map(len, rows))
+    tokens = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])  # (N, T)
+    mask = torch.tensor([m + [0] * (width - len(m)) for m in masks])                             # (N, T)
+    return tokens, mask
+
+
+def own_words_recall(policy, stages, seed_value=0, batch_size=32, log=print):
+    """Train the policy's language model on own_words_recall_batch, stage by stage [(items, steps)], AdamW at a
+    constant 1e-3 (recall_probe.py's); logs the share of held-out sequences whose first asked number is right
+    token for token (teacher-forced)."""
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95))
+    rng, start = random.Random(seed_value + 2), time.time()
+    for items, steps in stages:
+        held_out = own_words_recall_batch(policy.tokenizer, random.Random(10 ** 6), 256, items)
+        for step in range(1, steps + 1):
+            tokens, mask = own_words_recall_batch(policy.tokenizer, rng, batch_size, items)      # (B, T), (B, T)
+            logits = policy.model(input_ids=tokens[:, :-1]).logits                              # (B, T-1, V)
+            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
+            loss = (losses * mask[:, 1:]).sum() / mask[:, 1:].sum()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if step % 250 == 0 or step == steps:
+                log(f"own-words recall, {items} items, step {step} | loss {loss.item():.3f} | first asked number "
+                    f"right {first_answer_accuracy(policy.model, *held_out):.3f} | {time.time() - start:.0f}s")
+
+
+def first_answer_accuracy(model, tokens, mask):
+    """Share of rows whose first masked run of tokens (the first asked number) the model predicts token for
+    token, teacher-forced."""
+    with torch.no_grad():
+        right = (model(input_ids=tokens[:, :-1]).logits.argmax(-1) == tokens[:, 1:]).tolist()  # (N, T-1)
+    hits = 0
+    for row_right, row_mask in zip(right, mask[:, 1:].tolist()):
+        begin = row_mask.index(1)
+        end = row_mask.index(0, begin) if 0 in row_mask[begin:] else len(row_mask)
+        hits += all(row_right[begin:end])
+    return hits / len(right)
+
+
 def task_examples(split, count, seed_value):
     """First-step prompts of the vision env with the expert's cell (1-16), from the warm-up's own episodes."""
     env, rng = envs.make_env("vision", split, seed_value), random.Random(seed_value)
@@ -93,13 +152,14 @@ def evaluate(policy, examples, answers, think=""):
 
 def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, shapes=1, clip_statistics=False,
               eval_every=50, seed_value=0, folder=None, log=print, first_steps=0, distractors="any",
-              screen_as_text=False, distinct=3900, init_std=0.02, recall_steps=0):
+              screen_as_text=False, distinct=3900, init_std=0.02, recall_steps=0, own_recall=()):
     """Train a fresh tiny VLM on the probe; returns [(step, accuracy, p_right[, unseen accuracy, p_right])].
     first_steps: a curriculum, the first steps on the one-shape cell probe (in the probe's answer format).
     distractors, screen_as_text: the cell probe's (cell_example). distinct: how many different training examples
     the colour and cell probes draw from (3,900: 3,000 steps of 32 see each about 25 times). init_std: the language
     model's initializer_range. recall_steps: a stage before everything, the bare recall task of recall_probe.py
-    written in arbitrary tokens (byte tokens 100-140), the hop the cell probe needs without its long prompt."""
+    written in arbitrary tokens (byte tokens 100-140), the hop the cell probe needs without its long prompt.
+    own_recall: stages [(items, steps)] of own_words_recall after it, the same hop in the probe's own words."""
     rng = random.Random(seed_value)
     if probe == "task":
         demo_env = envs.make_env("vision", "train", seed_value)
@@ -126,6 +186,8 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
     if recall_steps:
         recall_probe.run_recall_probe(recall_steps, seed_value=seed_value, eval_every=250, log=log,
                                       model=policy.model, vocabulary=torch.arange(100, 141))
+    if own_recall:
+        own_words_recall(policy, own_recall, seed_value, log=log)
     if clip_statistics:
         policy.tokenizer.image_processor.image_mean, policy.tokenizer.image_processor.image_std = CLIP_STATISTICS
     torch.manual_seed(seed_value)
@@ -165,9 +227,12 @@ if __name__ == "__main__":
     p.add_argument("--init-std", type=float, default=0.02, help="the language model's initial weight std")
     p.add_argument("--recall-steps", type=int, default=0,
                    help="first train K steps on recall_probe.py's bare recall task (arbitrary tokens)")
+    p.add_argument("--own-recall", nargs="*", default=[], metavar="ITEMS:STEPS",
+                   help="stages of recall in the probe's own words before the probe, e.g. 2:1500 4:1500")
     p.add_argument("--distinct", type=int, default=3900, help="colour and cell probes: distinct training examples")
     args = p.parse_args()
     run_probe(args.probe, args.steps, args.batch_size, args.lr, args.beta2, args.shapes, args.clip_statistics,
               args.eval_every, args.seed, first_steps=args.first_steps, distractors=args.distractors,
               screen_as_text=args.screen_as_text, distinct=args.distinct, init_std=args.init_std,
-              recall_steps=args.recall_steps)
+              recall_steps=args.recall_steps,
+              own_recall=[tuple(map(int, stage.split(":"))) for stage in args.own_recall])

@@ -158,6 +158,37 @@ def test_cell_probe_examples_name_one_item_and_answer_its_cell(distractors):
         assert image_prompt.image.shape == (112, 112, 3)
 
 
+def test_own_words_recall_asks_every_look_once_and_masks_its_number(tiny_vlm):
+    """vision_probes.own_words_recall_batch: " 13 yellow circle" per item, then each look again followed by its
+    number; the loss mask is 1 on exactly the asked numbers' tokens. first_answer_accuracy scores the first of
+    them: 1 for a model that predicts every next token (here: one whose logits are the right answers)."""
+    tokenizer = tiny_vlm.tokenizer
+    tokens, mask = vision_probes.own_words_recall_batch(tokenizer, random.Random(0), 8, 3)
+    for row, row_mask in zip(tokens.tolist(), mask.tolist()):
+        text = tokenizer.decode([t for t in row if t != tokenizer.pad_token_id])
+        words = text.split()
+        written = {(words[i + 1], words[i + 2]): words[i] for i in range(0, 9, 3)}  # look -> number
+        asked = [((words[i], words[i + 1]), words[i + 2]) for i in range(9, 18, 3)]
+        assert len(written) == 3 and sorted(look for look, _ in asked) == sorted(written), text
+        assert all(written[look] == number for look, number in asked), text
+        masked = tokenizer.decode([t for t, m in zip(row, row_mask) if m]).split()
+        assert masked == [number for _, number in asked], (text, masked)
+
+    class Fixed(torch.nn.Module):  # logits that put all mass on given next tokens, whatever it reads
+        def __init__(self, following):
+            super().__init__()
+            self.following = following                                                      # (N, T-1)
+
+        def forward(self, input_ids):
+            return type("Out", (), {"logits": torch.nn.functional.one_hot(self.following, len(tokenizer)).float()})
+
+    assert vision_probes.first_answer_accuracy(Fixed(tokens[:, 1:]), tokens, mask) == 1.0
+    first_wrong = tokens[:, 1:].clone()  # right everywhere but on the first asked number
+    for row, row_mask in zip(first_wrong, mask[:, 1:].tolist()):
+        row[row_mask.index(1) + 1] = tokenizer.pad_token_id  # its second token (the first is the space)
+    assert vision_probes.first_answer_accuracy(Fixed(first_wrong), tokens, mask) == 0.0
+
+
 def test_recall_probe_asks_every_key_once_and_answers_its_value():
     """recall_probe.recall_batch: pairs written value first, then each key asked once, followed by the value it
     was written with; keys within a sequence are distinct, keys and values use disjoint token ids."""
