@@ -52,6 +52,11 @@ def recall_batch(count, pairs, generator, key_tokens=1, filler=0):
     return torch.cat([written, asked], 1)                                                             # (N, 2*P*L)
 
 
+def recall_optimizer(model, lr=1e-3):
+    """The warm-up's optimizer for screenshots (warmup.warm_start.warmup_optimizer), at a constant rate."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+
+
 def run_recall_probe(steps=2000, pairs=4, queries="all", init_std=0.02, lr=1e-3, batch_size=32, seed_value=0,
                      eval_every=250, log=print, key_tokens=1, filler=0, plain_steps=0, model=None, vocabulary=None):
     """Train a fresh tiny Qwen2 on recall, the first `plain_steps` steps without filler (a curriculum);
@@ -66,12 +71,12 @@ def run_recall_probe(steps=2000, pairs=4, queries="all", init_std=0.02, lr=1e-3,
 
     torch.manual_seed(seed_value)
     if model is None:
-        config = Qwen2Config(vocab_size=1 + KEYS + VALUES, max_position_embeddings=2 * pairs * (filler + key_tokens + 1),
-                             tie_word_embeddings=True, initializer_range=init_std, **TINY_SIZES)
+        longest = 2 * pairs * (filler + key_tokens + 1)
+        config = Qwen2Config(vocab_size=1 + KEYS + VALUES, max_position_embeddings=longest, tie_word_embeddings=True,
+                             initializer_range=init_std, **TINY_SIZES)
         model = Qwen2ForCausalLM(config)
     vocabulary = torch.arange(1 + KEYS + VALUES) if vocabulary is None else vocabulary  # (1 + KEYS + VALUES,)
-    # the warm-up's optimizer for screenshots (warmup.warm_start.warmup_optimizer), at a constant rate
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    optimizer = recall_optimizer(model, lr)
     generator = torch.Generator().manual_seed(seed_value)
     held_out = vocabulary[recall_batch(512, pairs, torch.Generator().manual_seed(10 ** 6), key_tokens, filler)]
     results, start = [], time.time()

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import envs  # noqa: E402
 import seed  # noqa: E402
 from experiments import recall_probe  # noqa: E402
+from loss import aggregate  # noqa: E402
 from models import tiny, vision  # noqa: E402
 from simulators.vision import COLORS, GRID, SHAPES, render  # noqa: E402
 from warmup import warm_start  # noqa: E402
@@ -91,10 +92,10 @@ def own_words_recall_batch(tokenizer, rng, count, items):
 
 
 def own_words_recall(policy, stages, seed_value=0, batch_size=32, log=print):
-    """Train the policy's language model on own_words_recall_batch, stage by stage [(items, steps)], AdamW at a
-    constant 1e-3 (recall_probe.py's); logs the share of held-out sequences whose first asked number is right
+    """Train the policy's language model on own_words_recall_batch, stage by stage [(items, steps)], with
+    recall_probe.py's optimizer; logs the share of held-out sequences whose first asked number is right
     token for token (teacher-forced)."""
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-3, weight_decay=0.01, betas=(0.9, 0.95))
+    optimizer = recall_probe.recall_optimizer(policy.model)
     rng, start = random.Random(seed_value + 2), time.time()
     for items, steps in stages:
         held_out = own_words_recall_batch(policy.tokenizer, random.Random(10 ** 6), 256, items)
@@ -102,7 +103,7 @@ def own_words_recall(policy, stages, seed_value=0, batch_size=32, log=print):
             tokens, mask = own_words_recall_batch(policy.tokenizer, rng, batch_size, items)      # (B, T), (B, T)
             logits = policy.model(input_ids=tokens[:, :-1]).logits                              # (B, T-1, V)
             losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
-            loss = (losses * mask[:, 1:]).sum() / mask[:, 1:].sum()
+            loss = aggregate(losses, mask[:, 1:])                                               # token mean
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
