@@ -10,6 +10,8 @@ experiments/vision_probes.py: does a fresh tiny VLM learn to see? The probes beh
     python experiments/vision_probes.py --probe task --steps 800          # the vision env's first click
     python experiments/vision_probes.py --probe cell --shapes 4 --init-std 0.08 --recall-steps 2500   # recall first
     python experiments/vision_probes.py --probe cell --shapes 4 --init-std 0.08 --own-recall 2:1500 4:1500
+    python experiments/vision_probes.py --probe cell --shapes 4 --screen-as-text --distinct 64000 --init-std 0.08 \
+        --own-recall 2:1500 3:5000 4:8000 --own-recall-until 0.8 --own-recall-restarts 5   # stages until learned
 
 Each probe builds a fresh tiny Qwen2-VL (models/tiny.py), trains it with the warm-up's SFT step
 (warmup.warm_start.supervised_step) on (screenshot + question, "<action>click K</action>") pairs and prints,
@@ -91,12 +93,15 @@ def own_words_recall_batch(tokenizer, rng, count, items):
     return tokens, mask
 
 
-def own_words_recall(policy, stages, seed_value=0, batch_size=32, log=print):
+def own_words_recall(policy, stages, seed_value=0, batch_size=32, log=print, until=None, check_every=250,
+                     optimizer=None):
     """Train the policy's language model on own_words_recall_batch, stage by stage [(items, steps)], with
     recall_probe.py's optimizer; logs the share of held-out sequences whose first asked number is right
-    token for token (teacher-forced)."""
-    optimizer = recall_probe.recall_optimizer(policy.model)
-    rng, start = random.Random(seed_value + 2), time.time()
+    token for token (teacher-forced), every check_every steps. until: end a stage early once that share reaches
+    it (steps is then the stage's most). optimizer: one to continue (None: a fresh recall_probe.recall_optimizer).
+    Returns [(items, steps run, last held-out share)]."""
+    optimizer = optimizer or recall_probe.recall_optimizer(policy.model)
+    rng, start, ends = random.Random(seed_value + 2), time.time(), []
     for items, steps in stages:
         held_out = own_words_recall_batch(policy.tokenizer, random.Random(10 ** 6), 256, items)
         for step in range(1, steps + 1):
@@ -107,9 +112,14 @@ def own_words_recall(policy, stages, seed_value=0, batch_size=32, log=print):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            if step % 250 == 0 or step == steps:
+            if step % check_every == 0 or step == steps:
+                share = first_answer_accuracy(policy.model, *held_out)
                 log(f"own-words recall, {items} items, step {step} | loss {loss.item():.3f} | first asked number "
-                    f"right {first_answer_accuracy(policy.model, *held_out):.3f} | {time.time() - start:.0f}s")
+                    f"right {share:.3f} | {time.time() - start:.0f}s")
+                if until is not None and share >= until:
+                    break
+        ends.append((items, step, share))
+    return ends
 
 
 def first_answer_accuracy(model, tokens, mask):
@@ -153,14 +163,18 @@ def evaluate(policy, examples, answers, think=""):
 
 def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, shapes=1, clip_statistics=False,
               eval_every=50, seed_value=0, folder=None, log=print, first_steps=0, distractors="any",
-              screen_as_text=False, distinct=3900, init_std=0.02, recall_steps=0, own_recall=()):
+              screen_as_text=False, distinct=3900, init_std=0.02, recall_steps=0, own_recall=(),
+              own_recall_until=None, own_recall_restarts=0):
     """Train a fresh tiny VLM on the probe; returns [(step, accuracy, p_right[, unseen accuracy, p_right])].
     first_steps: a curriculum, the first steps on the one-shape cell probe (in the probe's answer format).
     distractors, screen_as_text: the cell probe's (cell_example). distinct: how many different training examples
     the colour and cell probes draw from (3,900: 3,000 steps of 32 see each about 25 times). init_std: the language
     model's initializer_range. recall_steps: a stage before everything, the bare recall task of recall_probe.py
     written in arbitrary tokens (byte tokens 100-140), the hop the cell probe needs without its long prompt.
-    own_recall: stages [(items, steps)] of own_words_recall after it, the same hop in the probe's own words."""
+    own_recall: stages [(items, steps)] of own_words_recall after it, the same hop in the probe's own words;
+    own_recall_until: each stage ends once its held-out share reaches this (its steps are then a most).
+    own_recall_restarts: while the first own-words stage ends below own_recall_until, start again from new initial
+    weights, at most this many times (whether the stage escapes its plateau depends on the initial weights)."""
     rng = random.Random(seed_value)
     if probe == "task":
         demo_env = envs.make_env("vision", "train", seed_value)
@@ -181,14 +195,23 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
     easy_rng = random.Random(seed_value + 1)  # its own stream: the probe's data and batches stay as without it
     easy = [cell_example(easy_rng, screen_as_text=screen_as_text) for _ in range(4000 if first_steps else 0)]
     easy = [(prompt, answer_text(k, think)) for prompt, k in easy]
-    with tempfile.TemporaryDirectory(prefix="vision_probe_") as scratch:  # the model folder, unless one is given
-        policy = tiny.build_tiny_vlm([p + r for p, r in train[:2000]], folder or scratch, seed=seed_value,
-                                     initializer_range=init_std)
-    if recall_steps:
-        recall_probe.run_recall_probe(recall_steps, seed_value=seed_value, eval_every=250, log=log,
-                                      model=policy.model, vocabulary=torch.arange(100, 141))
-    if own_recall:
-        own_words_recall(policy, own_recall, seed_value, log=log)
+    for attempt in range(own_recall_restarts + 1):  # attempt k draws its initial weights from seed + 1000 k
+        with tempfile.TemporaryDirectory(prefix="vision_probe_") as scratch:  # the model folder, unless one is given
+            policy = tiny.build_tiny_vlm([p + r for p, r in train[:2000]], folder or scratch,
+                                         seed=seed_value + 1000 * attempt, initializer_range=init_std)
+        if recall_steps:
+            recall_probe.run_recall_probe(recall_steps, seed_value=seed_value, eval_every=250, log=log,
+                                          model=policy.model, vocabulary=torch.arange(100, 141))
+        if not own_recall:
+            break
+        recall_optimizer = recall_probe.recall_optimizer(policy.model)  # one for all stages of an attempt
+        first_stage = own_words_recall(policy, own_recall[:1], seed_value, log=log, until=own_recall_until,
+                                       optimizer=recall_optimizer)
+        if own_recall_until is None or first_stage[0][2] >= own_recall_until or attempt == own_recall_restarts:
+            own_words_recall(policy, own_recall[1:], seed_value, log=log, until=own_recall_until,
+                             optimizer=recall_optimizer)
+            break
+        log(f"own-words recall: the first stage stayed at {first_stage[0][2]:.3f}; new initial weights")
     if clip_statistics:
         policy.tokenizer.image_processor.image_mean, policy.tokenizer.image_processor.image_std = CLIP_STATISTICS
     torch.manual_seed(seed_value)
@@ -230,10 +253,16 @@ if __name__ == "__main__":
                    help="first train K steps on recall_probe.py's bare recall task (arbitrary tokens)")
     p.add_argument("--own-recall", nargs="*", default=[], metavar="ITEMS:STEPS",
                    help="stages of recall in the probe's own words before the probe, e.g. 2:1500 4:1500")
+    p.add_argument("--own-recall-until", type=float, default=None, metavar="SHARE",
+                   help="end each --own-recall stage once its held-out share reaches SHARE (STEPS is then its most)")
+    p.add_argument("--own-recall-restarts", type=int, default=0, metavar="K",
+                   help="new initial weights while the first --own-recall stage ends below --own-recall-until, "
+                        "at most K times")
     p.add_argument("--distinct", type=int, default=3900, help="colour and cell probes: distinct training examples")
     args = p.parse_args()
     run_probe(args.probe, args.steps, args.batch_size, args.lr, args.beta2, args.shapes, args.clip_statistics,
               args.eval_every, args.seed, first_steps=args.first_steps, distractors=args.distractors,
               screen_as_text=args.screen_as_text, distinct=args.distinct, init_std=args.init_std,
               recall_steps=args.recall_steps,
-              own_recall=[tuple(map(int, stage.split(":"))) for stage in args.own_recall])
+              own_recall=[tuple(map(int, stage.split(":"))) for stage in args.own_recall],
+              own_recall_until=args.own_recall_until, own_recall_restarts=args.own_recall_restarts)

@@ -6,6 +6,7 @@ when the package or the browser is missing (.ci/run installs both).
 
     python -m pytest -q tests/test_vision.py
 """
+import copy
 import importlib.util
 import math
 import os
@@ -187,6 +188,31 @@ def test_own_words_recall_asks_every_look_once_and_masks_its_number(tiny_vlm):
     for row, row_mask in zip(first_wrong, mask[:, 1:].tolist()):
         row[row_mask.index(1) + 1] = tokenizer.pad_token_id  # its second token (the first is the space)
     assert vision_probes.first_answer_accuracy(Fixed(first_wrong), tokens, mask) == 0.0
+
+
+def test_own_words_recall_stages_end_once_learned(tiny_vlm):
+    """own_words_recall runs every stage for its steps, or, with `until`, only until its held-out share reaches
+    it (here at once: a share is never below -1). It trains a copy: the fixture's weights stay random."""
+    policy = copy.deepcopy(tiny_vlm)
+    quiet = dict(batch_size=2, log=lambda line: None, check_every=1)
+    full = vision_probes.own_words_recall(policy, [(2, 3), (3, 2)], **quiet)
+    assert [(items, steps) for items, steps, _ in full] == [(2, 3), (3, 2)]
+    assert all(0.0 <= share <= 1.0 for _, _, share in full)
+    early = vision_probes.own_words_recall(policy, [(2, 3), (3, 2)], until=-1.0, **quiet)
+    assert [(items, steps) for items, steps, _ in early] == [(2, 1), (3, 1)]
+
+
+def test_own_words_recall_restarts_from_new_weights_while_the_first_stage_is_unlearned():
+    """run_probe with --own-recall-restarts 1 and a share no stage can reach: the first stage runs twice, from
+    different initial weights, then the later stages once, then the probe."""
+    lines = []
+    results = vision_probes.run_probe("cell", steps=1, batch_size=2, shapes=2, screen_as_text=True, distinct=40,
+                                      log=lines.append, own_recall=[(2, 1), (3, 1)], own_recall_until=2.0,
+                                      own_recall_restarts=1)
+    stages = [line.split(",")[1].strip() for line in lines if line.startswith("own-words recall,")]
+    assert stages == ["2 items", "2 items", "3 items"], lines
+    assert sum("new initial weights" in line for line in lines) == 1, lines
+    assert len(results) == 1 and 0.0 <= results[0][1] <= 1.0
 
 
 def test_recall_probe_asks_every_key_once_and_answers_its_value():
