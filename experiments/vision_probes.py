@@ -94,13 +94,13 @@ def own_words_recall_batch(tokenizer, rng, count, items):
 
 
 def own_words_recall(policy, stages, seed_value=0, batch_size=32, log=print, until=None, check_every=250,
-                     optimizer=None):
+                     abandon_unlearned_first=False):
     """Train the policy's language model on own_words_recall_batch, stage by stage [(items, steps)], with
     recall_probe.py's optimizer; logs the share of held-out sequences whose first asked number is right
     token for token (teacher-forced), every check_every steps. until: end a stage early once that share reaches
-    it (steps is then the stage's most). optimizer: one to continue (None: a fresh recall_probe.recall_optimizer).
-    Returns [(items, steps run, last held-out share)]."""
-    optimizer = optimizer or recall_probe.recall_optimizer(policy.model)
+    it (steps is then the stage's most). abandon_unlearned_first: stop after the first stage if it ends below
+    until. Returns [(items, steps run, last held-out share)] for the stages run."""
+    optimizer = recall_probe.recall_optimizer(policy.model)
     rng, start, ends = random.Random(seed_value + 2), time.time(), []
     for items, steps in stages:
         held_out = own_words_recall_batch(policy.tokenizer, random.Random(10 ** 6), 256, items)
@@ -119,6 +119,8 @@ def own_words_recall(policy, stages, seed_value=0, batch_size=32, log=print, unt
                 if until is not None and share >= until:
                     break
         ends.append((items, step, share))
+        if abandon_unlearned_first and until is not None and share < until:
+            break
     return ends
 
 
@@ -204,14 +206,11 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
                                           model=policy.model, vocabulary=torch.arange(100, 141))
         if not own_recall:
             break
-        recall_optimizer = recall_probe.recall_optimizer(policy.model)  # one for all stages of an attempt
-        first_stage = own_words_recall(policy, own_recall[:1], seed_value, log=log, until=own_recall_until,
-                                       optimizer=recall_optimizer)
-        if own_recall_until is None or first_stage[0][2] >= own_recall_until or attempt == own_recall_restarts:
-            own_words_recall(policy, own_recall[1:], seed_value, log=log, until=own_recall_until,
-                             optimizer=recall_optimizer)
+        ends = own_words_recall(policy, own_recall, seed_value, log=log, until=own_recall_until,
+                                abandon_unlearned_first=attempt < own_recall_restarts)
+        if len(ends) == len(own_recall):
             break
-        log(f"own-words recall: the first stage stayed at {first_stage[0][2]:.3f}; new initial weights")
+        log(f"own-words recall: the first stage stayed at {ends[0][2]:.3f}; new initial weights")
     if clip_statistics:
         policy.tokenizer.image_processor.image_mean, policy.tokenizer.image_processor.image_std = CLIP_STATISTICS
     torch.manual_seed(seed_value)
