@@ -52,13 +52,45 @@ def recall_batch(count, pairs, generator, key_tokens=1, filler=0):
     return torch.cat([written, asked], 1)                                                             # (N, 2*P*L)
 
 
+def mimetic_init(model, query_key=(0.7, 0.7), value_output=(0.4, 0.4), seed_value=0):
+    """Mimetic initialisation (Trockman and Kolter, 2023): in every attention head set W_Q W_K^T to
+    a Z + b I and W_V W_O to a Z - b I (Z ~ N(0, 1/d), (a, b) = query_key / value_output), each factor taken from the
+    truncated SVD, so that from step 0 a token attends to tokens that look like it: the match half of recall is
+    there before training. Heads that share a key/value head (grouped-query attention) share its factors."""
+    config = model.config
+    width, heads, groups = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = width // heads
+    generator = torch.Generator().manual_seed(seed_value)
+
+    def factors(scale, identity):  # (d, k), (k, d) with left @ right ~ scale Z + identity I
+        target = scale * torch.randn(width, width, generator=generator) / width ** 0.5 + identity * torch.eye(width)
+        u, s, vh = torch.linalg.svd(target)
+        return u[:, :head_dim] * s[:head_dim].sqrt(), s[:head_dim].sqrt()[:, None] * vh[:head_dim]
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            for group in range(groups):
+                rows = slice(group * head_dim, (group + 1) * head_dim)
+                query, key = factors(*query_key)                                       # (d, k), (k, d)
+                attention.k_proj.weight[rows] = key                                    # x -> W_K^T x
+                value_out, value_in = factors(value_output[0], -value_output[1])
+                attention.v_proj.weight[rows] = value_in                               # x -> W_V x
+                for head in range(group * heads // groups, (group + 1) * heads // groups):
+                    head_rows = slice(head * head_dim, (head + 1) * head_dim)
+                    attention.q_proj.weight[head_rows] = query.T                       # x -> W_Q^T x
+                    attention.o_proj.weight[:, head_rows] = value_out / (heads // groups)
+    return model
+
+
 def recall_optimizer(model, lr=1e-3):
     """The warm-up's optimizer for screenshots (warmup.warm_start.warmup_optimizer), at a constant rate."""
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
 
 
 def run_recall_probe(steps=2000, pairs=4, queries="all", init_std=0.02, lr=1e-3, batch_size=32, seed_value=0,
-                     eval_every=250, log=print, key_tokens=1, filler=0, plain_steps=0, model=None, vocabulary=None):
+                     eval_every=250, log=print, key_tokens=1, filler=0, plain_steps=0, model=None, vocabulary=None,
+                     mimetic=False):
     """Train a fresh tiny Qwen2 on recall, the first `plain_steps` steps without filler (a curriculum);
     returns [(step, first-query accuracy)] on 512 held-out sequences with the filler.
     model, vocabulary: train this causal LM instead (a warm-up stage), the probe's token i written as its token
@@ -75,6 +107,8 @@ def run_recall_probe(steps=2000, pairs=4, queries="all", init_std=0.02, lr=1e-3,
         config = Qwen2Config(vocab_size=1 + KEYS + VALUES, max_position_embeddings=longest, tie_word_embeddings=True,
                              initializer_range=init_std, **TINY_SIZES)
         model = Qwen2ForCausalLM(config)
+        if mimetic:
+            mimetic_init(model, seed_value=seed_value)
     vocabulary = torch.arange(1 + KEYS + VALUES) if vocabulary is None else vocabulary  # (1 + KEYS + VALUES,)
     optimizer = recall_optimizer(model, lr)
     generator = torch.Generator().manual_seed(seed_value)
@@ -115,9 +149,10 @@ if __name__ == "__main__":
                    help="tokens per key (2: a colour word and a shape word, each from its own 6)")
     p.add_argument("--filler", type=int, default=0, help="filler tokens before each pair and each query")
     p.add_argument("--plain-steps", type=int, default=0, help="the first K steps without the filler (a curriculum)")
+    p.add_argument("--mimetic", action="store_true", help="mimetic attention initialisation (mimetic_init)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (docs/vision.md's figures: 1)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     run_recall_probe(args.steps, args.pairs, args.queries, args.init_std, args.lr, args.batch_size, args.seed,
                      args.eval_every, key_tokens=args.key_tokens, filler=args.filler,
-                     plain_steps=args.plain_steps)
+                     plain_steps=args.plain_steps, mimetic=args.mimetic)

@@ -41,7 +41,6 @@ from simulators.vision import COLORS, GRID, SHAPES, render  # noqa: E402
 from warmup import warm_start  # noqa: E402
 
 CLIP_STATISTICS = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
-THINK = "<think>find what the task names in the screenshot</think>"
 
 
 def colour_example(rng, shapes=1):
@@ -68,6 +67,64 @@ def cell_example(rng, shapes=1, distractors="any", screen_as_text=False):
         rng.shuffle(items)
         return f"On the screen: {', '.join(items)}. {instruction}", cells[0] + 1
     return vision.ImageText(instruction, render(dict(zip(cells, looks)))), cells[0] + 1
+
+
+HOP_WORDS = [f" {c}" for c in COLORS] + [f" {s}" for s in SHAPES] + [f" q{chr(96 + k)}" for k in range(1, 17)]
+
+
+def run_hop_probe(steps=1000, items=4, vision_lr_scale=1.0, gap=0, freeze_tower=False, seed_value=0, batch_size=32,
+                  eval_every=100, log=print):
+    """The vision hop stripped of the prompt: a fresh tiny VLM reads [screenshot] + " yellow cross" (+ `gap` pairs
+    of template tokens) and answers the named item's cell as ONE token (" qa" .. " qp" for cells 1-16), loss on
+    it alone, fresh examples every step, AdamW at a constant lr 1e-3 (the vision tower at vision_lr_scale times
+    that, or frozen). Returns [(step, accuracy)] on 256 held-out screens."""
+    rng = random.Random(seed_value)
+    with tempfile.TemporaryDirectory(prefix="hop_probe_") as scratch:
+        policy = tiny.build_tiny_vlm(HOP_WORDS * 50, scratch, seed=seed_value)
+    tokenizer, model = policy.tokenizer, policy.model
+    word = {w: tokenizer(w, add_special_tokens=False)["input_ids"] for w in HOP_WORDS}
+    assert all(len(ids) == 1 for ids in word.values()), word  # one token each, the answer above all
+    answers = torch.tensor([word[f" q{chr(96 + k)}"][0] for k in range(1, 17)])                     # (16,)
+    start, end, pad = (tokenizer.convert_tokens_to_ids(t) for t in (vision.VISION_START, vision.VISION_END,
+                                                                    vision.IMAGE_PAD))
+    template = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|im_start|>")] * gap
+    looks = [(c, s) for c in COLORS for s in SHAPES]
+
+    def batch(draw, count):
+        screens, rows, cells = [], [], []
+        for _ in range(count):
+            chosen, picked = draw.sample(range(GRID * GRID), items), draw.sample(looks, items)
+            screens.append(render(dict(zip(chosen, picked))))
+            rows.append([start] + [pad] * GRID * GRID + [end] + word[f" {picked[0][0]}"] + word[f" {picked[0][1]}"]
+                        + template)
+            cells.append(chosen[0])
+        ids = torch.tensor(rows)                                                                       # (N, T)
+        prompts = [vision.ImageIds(row) for row in rows]
+        for prompt, processed in zip(prompts, [tokenizer.image_processor(images=[i], return_tensors="pt")
+                                               for i in screens]):
+            prompt.pixel_values, prompt.grid_thw = processed["pixel_values"], processed["image_grid_thw"][0]
+        return ids, vision.image_inputs(model, prompts, ids, torch.ones_like(ids)), torch.tensor(cells)
+
+    if freeze_tower:
+        model.model.visual.requires_grad_(False)
+    optimizer = torch.optim.AdamW(warm_start.parameter_groups(model, 1e-3, vision_lr_scale), weight_decay=0.01,
+                                  betas=(0.9, 0.95))
+    held_ids, held_inputs, held_cells = batch(random.Random(10 ** 6), 256)
+    results, begin = [], time.time()
+    for step in range(1, steps + 1):
+        ids, inputs, cells = batch(rng, batch_size)
+        logits = model(input_ids=ids, **inputs).logits[:, -1, answers]                                 # (B, 16)
+        loss = torch.nn.functional.cross_entropy(logits, cells)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % eval_every == 0 or step == steps:
+            with torch.no_grad():
+                guess = model(input_ids=held_ids, **held_inputs).logits[:, -1, answers].argmax(-1)     # (256,)
+            results.append((step, (guess == held_cells).float().mean().item()))
+            log(f"hop step {step} | loss {loss.item():.3f} | held-out accuracy {results[-1][1]:.3f} | "
+                f"{time.time() - begin:.0f}s")
+    return results
 
 
 def own_words_recall_batch(tokenizer, rng, count, items):
@@ -137,26 +194,42 @@ def first_answer_accuracy(model, tokens, mask):
     return hits / len(right)
 
 
-def task_examples(split, count, seed_value):
-    """First-step prompts of the vision env with the expert's cell (1-16), from the warm-up's own episodes."""
-    env, rng = envs.make_env("vision", split, seed_value), random.Random(seed_value)
-    firsts = [warm_start.expert_episode(env, task_seed, 0.0, rng, 3, "vision")[1][0] for task_seed in range(count)]
-    return [(prompt, int(response.split("click ")[1].split("<")[0])) for prompt, response in firsts]
+def greedy_task_scores(policy, split, count=48):
+    """(greedy success, share of first clicks on a target) over the first `count` tasks of a split, played as
+    train.py evaluates (one greedy episode per task, the env's step limit)."""
+    env_list = [envs.make_env("vision", split, i) for i in range(count)]
+    trajectories = seed.rollout(policy, env_list, list(range(count)), 1, envs.DEFAULT_MAX_STEPS["vision"], 48, 0.0,
+                                3, env_name="vision", desc=None, generator=torch.Generator().manual_seed(0))
+    def first_click_right(trajectory):
+        action, targets = trajectory["steps"][0]["action"] or "", trajectory["gt"]["targets"]
+        hit = [t for t in targets if action == f"click {t}"]
+        return bool(hit) and (trajectory["task_type"] == "click-all" or hit[0] == targets[0])
+    return (sum(t["won"] for t in trajectories) / count, sum(map(first_click_right, trajectories)) / count)
 
 
-def answer_text(k, think=""):
-    return f"{think}<action>click {k}</action>"
+def answer_text(prompt, k):
+    """The bare response: "<action>click 7</action>" (the colour probe's k is a colour's index)."""
+    return f"<action>click {k}</action>"
 
 
-def evaluate(policy, examples, answers, think=""):
-    """(accuracy, mean probability of the right answer) over examples [(prompt, k)], answers 1..`answers`."""
+def named_answer_text(prompt, k):
+    """The response when the policy first names what it looks for, then its number (name_first): "<think> yellow
+    cross7</think><action>click 7</action>", so the number's first digit is predicted right after the words that
+    pick it (its tokens: " yellow", " cross", "7", the words as the instruction writes them)."""
+    look = str(prompt).rsplit("Click the ", 1)[1].rstrip(".")  # an ImageText is the instruction itself
+    return f"<think> {look}{k}</think>" + answer_text(prompt, k)
+
+
+def evaluate(policy, examples, answers, write=answer_text):
+    """(accuracy, mean probability of the right answer) over examples [(prompt, k)], answers 1..`answers`, each
+    answer's response written by write(prompt, k)."""
     stop = policy.stop_ids[0]
-    candidates = [policy.tokenizer(answer_text(k, think), add_special_tokens=False)["input_ids"] + [stop]
-                  for k in range(1, answers + 1)]
+    candidates = [[policy.tokenizer(write(prompt, k), add_special_tokens=False)["input_ids"] + [stop]
+                   for k in range(1, answers + 1)] for prompt, _ in examples]
     prompts = [seed.encode_chat(policy.tokenizer, prompt) for prompt, _ in examples]
     with torch.no_grad():
-        logp = seed.response_logprobs(policy.model, [p for p in prompts for _ in candidates],
-                                      candidates * len(prompts), policy.pad_id).sum(-1)
+        logp = seed.response_logprobs(policy.model, [p for p in prompts for _ in range(answers)],
+                                      [c for row in candidates for c in row], policy.pad_id).sum(-1)
     logp = logp.view(len(examples), answers)                                         # (N, answers)
     truth = torch.tensor([k - 1 for _, k in examples])                              # (N,)
     right = logp.softmax(-1)[torch.arange(len(examples)), truth]                    # (N,)
@@ -166,9 +239,11 @@ def evaluate(policy, examples, answers, think=""):
 def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, shapes=1, clip_statistics=False,
               eval_every=50, seed_value=0, folder=None, log=print, first_steps=0, distractors="any",
               screen_as_text=False, distinct=3900, init_std=0.02, recall_steps=0, own_recall=(),
-              own_recall_until=None, own_recall_restarts=0):
+              own_recall_until=None, own_recall_restarts=0, name_first=False, vision_lr_scale=1.0, task_episodes=0,
+              first_shapes=1):
     """Train a fresh tiny VLM on the probe; returns [(step, accuracy, p_right[, unseen accuracy, p_right])].
-    first_steps: a curriculum, the first steps on the one-shape cell probe (in the probe's answer format).
+    first_steps: a curriculum, the first steps on the cell probe with first_shapes shapes (one unless said), in the
+    probe's answer format.
     distractors, screen_as_text: the cell probe's (cell_example). distinct: how many different training examples
     the colour and cell probes draw from (3,900: 3,000 steps of 32 see each about 25 times). init_std: the language
     model's initializer_range. recall_steps: a stage before everything, the bare recall task of recall_probe.py
@@ -176,27 +251,31 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
     own_recall: stages [(items, steps)] of own_words_recall after it, the same hop in the probe's own words;
     own_recall_until: each stage ends once its held-out share reaches this (its steps are then a most).
     own_recall_restarts: while the first own-words stage ends below own_recall_until, start again from new initial
-    weights, at most this many times (whether the stage escapes its plateau depends on the initial weights)."""
+    weights, at most this many times (whether the stage escapes its plateau depends on the initial weights).
+    name_first: cell probe, the response names the look first and then the number (named_answer_text).
+    vision_lr_scale: the vision tower's learning rate as a share of the language model's.
+    task_episodes: task probe, how many expert episodes the demonstrations come from (0: max(64, steps))."""
     rng = random.Random(seed_value)
     if probe == "task":
         demo_env = envs.make_env("vision", "train", seed_value)
         train = []
-        for _ in range(max(64, steps)):
+        for _ in range(task_episodes or max(64, steps)):
             _, pairs, _ = warm_start.expert_episode(demo_env, rng.randrange(10 ** 6), rng.choice([0, 0.1, 0.2, 0.4]),
                                                     rng, 3, "vision")
             train += pairs
-        held_out = {split: task_examples(split, 48, 1) for split in ("valid_seen", "valid_unseen")}
-        answers, think = GRID * GRID, THINK
+        held_out = {split: [] for split in ("valid_seen", "valid_unseen")}  # scored by greedy_task_scores
+        answers, write = GRID * GRID, named_answer_text  # write: the one-shape stage's
     else:
         make = colour_example if probe == "colour" else functools.partial(cell_example, distractors=distractors,
                                                                           screen_as_text=screen_as_text)
         examples = [make(rng, shapes) for _ in range(distinct + 100)]
-        train = [(prompt, answer_text(k)) for prompt, k in examples[:distinct]]
+        write = named_answer_text if name_first and probe == "cell" else answer_text
+        train = [(prompt, write(prompt, k)) for prompt, k in examples[:distinct]]
         held_out = {"held_out": examples[distinct:distinct + 48]}
-        answers, think = (len(COLORS) if probe == "colour" else GRID * GRID), ""
+        answers = len(COLORS) if probe == "colour" else GRID * GRID
     easy_rng = random.Random(seed_value + 1)  # its own stream: the probe's data and batches stay as without it
-    easy = [cell_example(easy_rng, screen_as_text=screen_as_text) for _ in range(4000 if first_steps else 0)]
-    easy = [(prompt, answer_text(k, think)) for prompt, k in easy]
+    easy = [cell_example(easy_rng, first_shapes, screen_as_text=screen_as_text) for _ in range(4000 if first_steps else 0)]
+    easy = [(prompt, (answer_text if write is answer_text else named_answer_text)(prompt, k)) for prompt, k in easy]
     for attempt in range(own_recall_restarts + 1):  # attempt k draws its initial weights from seed + 1000 k
         with tempfile.TemporaryDirectory(prefix="vision_probe_") as scratch:  # the model folder, unless one is given
             policy = tiny.build_tiny_vlm([p + r for p, r in train[:2000]], folder or scratch,
@@ -214,7 +293,7 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
     if clip_statistics:
         policy.tokenizer.image_processor.image_mean, policy.tokenizer.image_processor.image_std = CLIP_STATISTICS
     torch.manual_seed(seed_value)
-    optimizer, schedule = warm_start.warmup_optimizer(policy, lr, steps, beta2)  # the warm-up's own schedule
+    optimizer, schedule = warm_start.warmup_optimizer(policy, lr, steps, beta2, vision_lr_scale)  # the warm-up's
     results, start = [], time.time()
     for step in range(1, steps + 1):
         pool = easy if step <= first_steps else train
@@ -222,9 +301,12 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
                                           layout="padded")
         schedule.step()
         if step % eval_every == 0 or step == steps:
-            scores = [value for examples in held_out.values() for value in evaluate(policy, examples, answers, think)]
+            scores = [value for split, examples in held_out.items()
+                      for value in (greedy_task_scores(policy, split) if probe == "task"
+                                    else evaluate(policy, examples, answers, write))]
             results.append((step, *scores))
-            shown = " | ".join(f"{split} accuracy {scores[2 * i]:.3f} p(right) {scores[2 * i + 1]:.3f}"
+            names = ("greedy success", "first click right") if probe == "task" else ("accuracy", "p(right)")
+            shown = " | ".join(f"{split} {names[0]} {scores[2 * i]:.3f} {names[1]} {scores[2 * i + 1]:.3f}"
                                for i, split in enumerate(held_out))
             log(f"{probe} step {step} | loss {loss:.3f} | {shown} | {time.time() - start:.0f}s")
     return results
@@ -232,7 +314,7 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--probe", default="colour", choices=["colour", "cell", "task"], help="what to learn")
+    p.add_argument("--probe", default="colour", choices=["colour", "cell", "task", "hop"], help="what to learn")
     p.add_argument("--steps", type=int, default=300, help="SFT steps")
     p.add_argument("--batch-size", type=int, default=32, help="examples per step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (30 steps up, then down to 10%%)")
@@ -243,6 +325,7 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=0, help="data and initialisation seed")
     p.add_argument("--first-steps", type=int, default=0,
                    help="curriculum: this many steps on one-shape cell probes first")
+    p.add_argument("--first-shapes", type=int, default=1, help="shapes per screen in the --first-steps stage")
     p.add_argument("--distractors", default="any", choices=["any", "colour", "shape"],
                    help="cell probe: how the other shapes differ from the named one (colour: only in colour)")
     p.add_argument("--screen-as-text", action="store_true",
@@ -257,11 +340,25 @@ if __name__ == "__main__":
     p.add_argument("--own-recall-restarts", type=int, default=0, metavar="K",
                    help="new initial weights while the first --own-recall stage ends below --own-recall-until, "
                         "at most K times")
+    p.add_argument("--name-first", action="store_true",
+                   help="cell probe: the response names the look, then the number (<think> yellow cross7</think>...)")
+    p.add_argument("--vision-lr-scale", type=float, default=1.0,
+                   help="the vision tower's learning rate as a share of --lr (the language model's)")
     p.add_argument("--distinct", type=int, default=3900, help="colour and cell probes: distinct training examples")
+    p.add_argument("--task-episodes", type=int, default=0,
+                   help="task probe: expert episodes behind the demonstrations (0: max(64, --steps))")
+    p.add_argument("--gap", type=int, default=0, help="hop probe: pairs of template tokens before the answer")
+    p.add_argument("--freeze-tower", action="store_true", help="hop probe: the vision tower stays as initialised")
     args = p.parse_args()
+    if args.probe == "hop":
+        run_hop_probe(args.steps, args.shapes, args.vision_lr_scale, args.gap, args.freeze_tower, args.seed,
+                      args.batch_size, args.eval_every)
+        sys.exit()
     run_probe(args.probe, args.steps, args.batch_size, args.lr, args.beta2, args.shapes, args.clip_statistics,
               args.eval_every, args.seed, first_steps=args.first_steps, distractors=args.distractors,
               screen_as_text=args.screen_as_text, distinct=args.distinct, init_std=args.init_std,
               recall_steps=args.recall_steps,
               own_recall=[tuple(map(int, stage.split(":"))) for stage in args.own_recall],
-              own_recall_until=args.own_recall_until, own_recall_restarts=args.own_recall_restarts)
+              own_recall_until=args.own_recall_until, own_recall_restarts=args.own_recall_restarts,
+              name_first=args.name_first, vision_lr_scale=args.vision_lr_scale, task_episodes=args.task_episodes,
+              first_shapes=args.first_shapes)

@@ -11,6 +11,7 @@ import importlib.util
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import types
@@ -130,6 +131,17 @@ def test_supervised_step_with_images(tiny_vlm, tmp_path):
     assert losses[-1] < losses[0], losses
 
 
+def test_a_vlm_checkpoint_loads_with_its_image_processor(tiny_vlm, tmp_path):
+    """training/checkpoints.save_checkpoint keeps the tiny processor (white -> 0) beside the weights, so a vision
+    checkpoint loads as a policy (--resume, experiments/vision_picture.py) with the statistics it trained under."""
+    from models.policy import load_policy
+    from training.checkpoints import save_checkpoint
+    cfg = types.SimpleNamespace(out_dir=str(tmp_path), keep_checkpoints=2)
+    folder = save_checkpoint(cfg, tiny_vlm, torch.optim.AdamW(tiny_vlm.model.parameters()), 1)
+    loaded = load_policy(folder, device="cpu", dtype="float32")
+    assert list(loaded.tokenizer.image_processor.image_mean) == list(tiny_vlm.tokenizer.image_processor.image_mean) == [1.0] * 3
+
+
 def test_tiny_vlm_learns_to_see_colour_within_200_steps(tmp_path):
     """experiments/vision_probes.py's colour probe (name the colour of the only shape, 6 answers) under the tiny
     processor's normalisation, white -> 0. With CLIP's statistics (white -> 2 in every pixel) the from-scratch
@@ -138,6 +150,40 @@ def test_tiny_vlm_learns_to_see_colour_within_200_steps(tmp_path):
     _, accuracy, p_right = results[-1]
     print(f"\ncolour probe after 200 steps: accuracy {accuracy:.2f}, p(right) {p_right:.2f} (chance 0.17)")
     assert accuracy >= 0.9, results
+
+
+def test_vision_tower_trains_at_its_share_of_the_learning_rate(tiny_vlm, tiny):
+    """warm_start.warmup_optimizer: the Qwen2-VL's vision tower at lr * vision_lr_scale, everything else at lr,
+    every parameter in exactly one group, through the schedule; a text model keeps one group."""
+    optimizer, schedule = warm_start.warmup_optimizer(tiny_vlm, 1e-3, 100, 0.95, warm_start.VISION_LR_SCALE)
+    for _ in range(40):
+        schedule.step()
+    language, tower = optimizer.param_groups
+    assert {id(p) for p in tower["params"]} == {id(p) for p in tiny_vlm.model.model.visual.parameters()}
+    assert len(language["params"]) + len(tower["params"]) == len(list(tiny_vlm.model.parameters()))
+    assert tower["lr"] == pytest.approx(language["lr"] * 0.1) and language["lr"] == pytest.approx(1e-3 * 0.6)
+    text_optimizer, _ = warm_start.warmup_optimizer(tiny[0], 1e-3, 100, 0.95, 0.1)
+    assert len(text_optimizer.param_groups) == 1
+
+
+def test_vision_demonstrations_name_the_target_right_before_its_cell():
+    """The screenshot warm-up's expert responses: "<think> red circle7</think><action>click 7</action>", the
+    look of the item in the clicked cell (the episode's ground truth), its first digit the token after the look."""
+    env, rng, responses = make_env("vision", "train", 0), random.Random(0), 0
+    for task_seed in range(30):
+        trajectory, examples, _ = warm_start.expert_episode(env, task_seed, 0.2, rng, 3, "vision")
+        for _, response in examples:
+            found = re.fullmatch(r"<think> ([a-z]+) ([a-z]+)([0-9]+)</think><action>click ([0-9]+)</action>", response)
+            assert found and found[3] == found[4], response
+            assert trajectory["gt"]["items"][int(found[4])] == [found[1], found[2]], (response, trajectory["gt"])
+            responses += 1
+    assert responses >= 30, responses
+
+
+def test_hop_probe_answers_one_token_per_cell():
+    """vision_probes.run_hop_probe runs and scores 256 held-out screens (its learning is docs/vision.md's table)."""
+    results = vision_probes.run_hop_probe(steps=2, eval_every=2, batch_size=4, vision_lr_scale=0.1, gap=1)
+    assert [step for step, _ in results] == [2] and 0 <= results[0][1] <= 1, results
 
 
 @pytest.mark.parametrize("distractors", ["any", "colour", "shape"])

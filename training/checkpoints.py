@@ -41,6 +41,8 @@ def save_checkpoint(cfg, policy, optimizer, update):
         with atomic_folder(final) as temporary:
             policy.model.save_pretrained(temporary)
             policy.tokenizer.save_pretrained(temporary)
+            if getattr(policy.tokenizer, "image_processor", None) is not None:  # a VLM loads its processor from here
+                policy.tokenizer.image_processor.save_pretrained(temporary)
             state = {"update": update, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                      "python_rng": random.getstate()}
             if torch.cuda.is_available():

@@ -58,8 +58,20 @@ CONTRAST_COPIES = 3
 # when its settings match the run's exactly, unless --build-warm-start
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warm_starts")
 VISION_ENVS = ("vision", "miniwob")  # screenshot observations: the tiny model is a Qwen2-VL (models/tiny.py)
-SCREEN_VERSION = 2  # bumped with the screenshot warm-up alone, so the household caches stay valid
-# (2: large cell numbers, white -> 0 pixel normalisation, lr 1e-3 and beta2 0.95)
+SCREEN_VERSION = 3  # bumped with the screenshot warm-up alone, so the household caches stay valid
+# (2: large cell numbers, white -> 0 pixel normalisation, lr 1e-3 and beta2 0.95; 3: the think names the target's
+# look right before its cell number, VISION_LR_SCALE)
+# the vision tower trains at a tenth of the language model's rate: at the same rate its features collapse within
+# the first steps and the policy never learns which item the instruction names (docs/vision.md: a 4-item cell
+# probe read 0.21 at 600 steps at the same rate, 0.60 at a tenth)
+VISION_LR_SCALE = 0.1
+# the screenshot warm-up's first steps are drills: "Click the red circle." among 4 shapes, answered in the
+# demonstrations' format, short prompts that teach the hop from the named look to its cell before the long
+# verl-agent prompts (docs/vision.md: after 800 drill steps 600 behaviour-cloning steps read 0.458 / 0.312 greedy
+# valid_seen / valid_unseen success, against 0.312 / 0.125 after 600 without drills)
+DRILL_STEPS, DRILL_SHAPES = 800, 4
+# and the screenshot model's language model starts from VISION_INIT_STD (the same probe: 0.417 / 0.188 at 0.02)
+VISION_INIT_STD = 0.08
 
 
 # ----------------------------------------------------------------------------- demonstrations
@@ -77,6 +89,10 @@ WEBSHOP_SUBGOALS = (("search[", "search for the product"), ("click[buy now]", "b
 
 def subgoal(gt, holding, transformed, action=""):
     """A short reasoning text for the expert's <think>: the current subgoal."""
+    if gt.get("env") == "vision" and action.startswith("click "):
+        look = gt.get("items", {}).get(int(action.split()[1]))
+        if look:  # " red circle7": the look the instruction picks out, then its cell, so the number's first digit
+            return f" {look[0]} {look[1]}{int(action.split()[1])}"  # is predicted right after the words it matches
     if gt.get("env") in ("vision", "miniwob"):
         return "find what the task names in the screenshot"
     if gt.get("env") == "webshop":
@@ -154,6 +170,22 @@ def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="house
             holding = verb == "take" or (holding and verb != "move")
             transformed = transformed or verb in ("heat", "cool", "clean")
     return trajectory, examples, corrections
+
+
+def screen_drills(count, seed_value=0, shapes=DRILL_SHAPES):
+    """count drill examples for the vision env: a screenshot with `shapes` items of different looks and "Click the
+    {colour} {shape}.", answered as the demonstrations answer (subgoal's think, then the click)."""
+    from simulators.vision import COLORS, GRID, SHAPES, render
+    rng, looks, drills = random.Random(seed_value), [(c, s) for c in COLORS for s in SHAPES], []
+    for _ in range(count):
+        cells, picked = rng.sample(range(1, GRID * GRID + 1), shapes), rng.sample(looks, shapes)
+        items = dict(zip(cells, map(list, picked)))
+        action = f"click {cells[0]}"
+        think = subgoal({"env": "vision", "items": items}, False, False, action)
+        image = render({cell - 1: tuple(look) for cell, look in items.items()})
+        drills.append((vision.ImageText(f"Click the {picked[0][0]} {picked[0][1]}.", image),
+                       f"<think>{think}</think><action>{action}</action>"))
+    return drills
 
 
 def demonstrations(env, n_episodes, history_window, seed_value=0, env_name="household", desc="demonstrations",
@@ -309,31 +341,46 @@ def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_cl
     return value
 
 
-def warmup_optimizer(policy, lr, steps, beta2=0.999):
-    """(AdamW, its schedule): 30 steps of linear warm-up, then linear decay to 10% at `steps`."""
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, beta2))
+def parameter_groups(model, lr, vision_lr_scale=1.0):
+    """AdamW parameter groups: a Qwen2-VL's vision tower (model.model.visual) at lr * vision_lr_scale, the rest
+    at lr (one group when the model has no tower)."""
+    tower = getattr(getattr(model, "model", None), "visual", None)
+    tower_ids = {id(p) for p in tower.parameters()} if tower is not None else set()
+    groups = [{"params": [p for p in model.parameters() if id(p) not in tower_ids], "lr": lr}]
+    if tower_ids:
+        groups.append({"params": list(tower.parameters()), "lr": lr * vision_lr_scale})
+    return groups
+
+
+def warmup_optimizer(policy, lr, steps, beta2=0.999, vision_lr_scale=1.0):
+    """(AdamW, its schedule): 30 steps of linear warm-up, then linear decay to 10% at `steps`.
+    vision_lr_scale: a Qwen2-VL's vision tower trains at lr times this, the language model at lr."""
+    optimizer = torch.optim.AdamW(parameter_groups(policy.model, lr, vision_lr_scale), lr=lr, weight_decay=0.01,
+                                  betas=(0.9, beta2))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 30) * max(0.1, 1.0 - s / max(1, steps)))
     return optimizer, schedule
 
 
 def supervised_training(policy, mixture, steps, batch_size, lr, max_batch_tokens, seed_value=0, desc="warm-up",
-                        prompt_weight=0.0, layout="packed", beta2=0.999):
+                        prompt_weight=0.0, layout="packed", beta2=0.999, vision_lr_scale=1.0, first=(0, ())):
     """warmup_optimizer's AdamW and schedule; each step draws batch_size examples from the mixture
-    [(weight, examples)]. prompt_weight: see supervised_step. layout: packed rows skip
+    [(weight, examples)], the first first[0] of the steps from the examples first[1] alone (a curriculum under
+    the same schedule). prompt_weight: see supervised_step. layout: packed rows skip
     the padding of these uneven mixtures (short acting prompts, long analyzer prompts): 2.4x faster per step
     than padded on the tiny warm-up mixture, same loss to 4 decimals; padded for screenshots. Returns the
     completion loss of the last 20 steps on average."""
     rng = random.Random(seed_value)
-    optimizer, schedule = warmup_optimizer(policy, lr, steps, beta2)
+    optimizer, schedule = warmup_optimizer(policy, lr, steps, beta2, vision_lr_scale)
     weights = [w for w, examples in mixture if examples]
     pools = [examples for _, examples in mixture if examples]
     losses = []
     bar = tqdm(range(steps), desc=desc, leave=False)
-    for _ in bar:
-        batch = [rng.choice(rng.choices(pools, weights)[0]) for _ in range(batch_size)]
-        losses.append(supervised_step(policy, optimizer, batch, max_batch_tokens, prompt_weight=prompt_weight,
-                                           layout=layout))
+    for step in bar:
+        batch = [rng.choice(first[1]) if step < first[0] else rng.choice(rng.choices(pools, weights)[0])
+                 for _ in range(batch_size)]
+        losses.append(supervised_step(policy, optimizer, batch, max_batch_tokens, layout=layout,
+                                      prompt_weight=0.0 if step < first[0] else prompt_weight))  # drills: answers
         schedule.step()
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     return sum(losses[-20:]) / max(1, len(losses[-20:]))
@@ -395,8 +442,10 @@ def build_warm_start(cfg, options, settings, folder):
     corpus = [p + r for p, r in act[:2000] + follow[:1000]]
     corpus += [skills.analyzer_prompt(t) + c for t, c in analyzed[:1000]]
     screens = cfg.env in VISION_ENVS
+    drills = screen_drills(4000, cfg.warmup_seed) if cfg.env == "vision" else []
     if screens:
-        policy = tiny.build_tiny_vlm(corpus, folder, seed=cfg.warmup_seed)
+        policy = tiny.build_tiny_vlm(corpus + [p + r for p, r in drills[:500]], folder, seed=cfg.warmup_seed,
+                                     initializer_range=VISION_INIT_STD)
     else:
         policy = tiny.build_tiny_policy(corpus, folder, seed=cfg.warmup_seed, initializer_range=TEXT_INIT_STD)
     analyze = analyzer_examples(policy, analyzed, cfg.analysis_prompt_tokens)
@@ -409,10 +458,13 @@ def build_warm_start(cfg, options, settings, folder):
     # screenshots: lr 1e-3 and beta2 0.95. The first steps send the from-scratch vision tower gradients 100x
     # larger than later ones; beta2 0.999 remembers them for ~1000 steps and the tower barely moves (docs/vision.md:
     # a 6-way cell-number probe read 0.62 at 300 steps with 0.999, 1.00 from step 175 with 0.95)
-    loss = supervised_training(policy, [(0.45, act), (0.25, follow), (0.30, analyze)], cfg.warmup_steps,
-                               cfg.sft_batch_size, 1e-3 if screens else 3e-3, cfg.max_batch_tokens, cfg.warmup_seed,
+    # screenshots: micro-batches of at most 4,096 tokens, so the short acting rows are not padded to the analyzer's
+    first = (DRILL_STEPS, drills) if drills else (0, ())
+    loss = supervised_training(policy, [(0.45, act), (0.25, follow), (0.30, analyze)], first[0] + cfg.warmup_steps,
+                               cfg.sft_batch_size, 1e-3 if screens else 3e-3,
+                               min(cfg.max_batch_tokens, 4096) if screens else cfg.max_batch_tokens, cfg.warmup_seed,
                                prompt_weight=0.3, layout="padded" if screens else "packed",
-                               beta2=0.95 if screens else 0.999)
+                               beta2=0.95 if screens else 0.999, vision_lr_scale=VISION_LR_SCALE, first=first)
     policy.model.save_pretrained(folder)
     policy.tokenizer.save_pretrained(folder)
     with open(os.path.join(folder, "warmup.json"), "w") as f:
