@@ -102,8 +102,7 @@ def parse_action(response):
 
 def encode_chat(tokenizer, user_text):
     """Token ids of one user turn plus the assistant header, through the model's own chat template.
-    A message with a screenshot (models.vision.ImageText) gives ids carrying the pixels
-    (ImageIds)."""
+    A message with a screenshot (models.vision.ImageText) gives ids carrying the pixels (ImageIds)."""
     if getattr(user_text, "image", None) is not None:
         return vision.encode_image_chat(tokenizer, user_text)
     text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
@@ -114,8 +113,7 @@ def encode_chat(tokenizer, user_text):
 # ------------------------------------------------------------------------------------- sampling
 
 @torch.no_grad()
-def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc=None,
-           generator=None):
+def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc=None, generator=None):
     """One response per prompt (list of id lists); temperature 0 is greedy. Returns (responses,
     logps): per row the sampled ids up to and including the first stop token, and the log-prob of
     each under softmax(logits / temperature) (greedy: temperature 1). `generator` (on the model's
@@ -145,10 +143,8 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
             logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
             # banned ids (a VLM's vision tokens) are never drawn; recorded log-probs are the model's
             allowed = logprobs.index_fill(-1, banned, float("-inf")) if len(banned) else logprobs
-            if temperature > 0:
-                token = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(-1)  # (b,)
-            else:
-                token = allowed.argmax(-1)
+            token = (torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(-1) if temperature > 0
+                     else allowed.argmax(-1))                           # (b,)
             token = torch.where(alive, token, torch.full_like(token, policy.pad_id))
             tokens.append(token)
             token_logps.append(logprobs.gather(-1, token[:, None]).squeeze(-1))

@@ -1,10 +1,14 @@
 """
-experiment.py: SEED vs GRPO on the embedded household env, and a picture of the distillation signal.
+experiment.py: SEED vs GRPO on the embedded household env (or another, `-- --env vision`), and a picture of the
+distillation signal.
 
     python experiments/experiment.py --seeds 0 1 2                       # both algorithms x 3 seeds, one warm-start
+    python experiments/experiment.py --seeds 0 1 2 --updates 20 --eval-every 4 --root out/vision-experiment \
+        -- --env vision                                                  # on screenshots (docs/vision.md)
     python experiments/experiment.py --seeds 0 --updates 2 --smoke       # a quick check that the pipeline runs
     python experiments/experiment.py --picture out/experiment/seed-0     # delta picture of one trajectory (HTML + terminal)
     python experiments/experiment.py --probes MODEL_DIR                  # habit probe, skill lift, fixing-skill share
+                                                                        # (a vision model: skills right about pixels)
     python experiments/experiment.py --mechanism MODEL_DIR               # SEED vs GRPO updates on all-failed groups
     python experiments/experiment.py --evaluate DIR [DIR ...]            # sampled evaluation of finished models
 
@@ -21,6 +25,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -84,7 +89,7 @@ def summarise(args, runs):
     config = json.load(open(os.path.join(runs[0][2], "config.json")))
     per_update = config["tasks_per_update"] * config["group_size"]
     updates = evaluation_updates(runs)
-    lines = [f"# SEED vs GRPO on the household env ({len(args.seeds)} seeds, {per_update} episodes per update)"]
+    lines = [f"# SEED vs GRPO on the {config['env']} env ({len(args.seeds)} seeds, {per_update} episodes per update)"]
     curves = {}
     for metric, name in METRICS:
         rows = []
@@ -114,7 +119,10 @@ def summarise(args, runs):
         advantage = [x["adv_mean"] for m in metrics for x in m if "adv_mean" in x]  # token mean of A_grpo + lambda delta
         fmt = lambda v: f"{statistics.mean(v):.3f}" if v else "-"
         lines.append(f"| {algo} | {fmt(first)} -> {fmt(last)} | {fmt(delta)} | {fmt(share)} | {fmt(advantage)} |")
-    lines += ["", ratio_line(curves, "habit_unlearned", "habit unlearned"), "", ratio_line(curves)]  # success last
+    if any(not math.isnan(mean) for (m, _, _), points in curves.items() if m == "habit_unlearned"
+           for _, mean, _ in points):
+        lines += ["", ratio_line(curves, "habit_unlearned", "habit unlearned")]
+    lines += ["", ratio_line(curves)]  # success last
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.root, "experiment.md"), "w") as f:
         f.write(text)
@@ -210,6 +218,41 @@ def probes(model, episodes=48, history_window=3, max_steps=20, seed_value=0):
     for name, value in found.items():
         print(f"{name}: {value if value is None or isinstance(value, int) else f'{value:.3f}'}")
     return found
+
+
+def screen_skill_probes(model, episodes=64, seed_value=0):
+    """Are a vision model's self-written skills right about the screen? It plays `episodes` train tasks (one
+    sampled episode each, as in training) and analyzes them. Of the parsed skills: for won episodes the share
+    that names every target's cell ("cell 7"); for failed ones the share that names a cell the episode never
+    clicked (the text does not show what is there: a guess, which the teacher would then follow), and of the
+    failures by a wrong click, the share that names that cell."""
+    import envs
+    import seed
+    from models.policy import load_policy
+    policy = load_policy(model, device="cpu", dtype="float32")
+    env_list = [envs.make_env("vision", "train", i) for i in range(episodes)]
+    trajectories = seed.rollout(policy, env_list, list(range(10_000, 10_000 + episodes)), 1, 6, 48, 1.0, 3,
+                                env_name="vision", generator=torch.Generator().manual_seed(seed_value))
+    skill_list, _ = seed.analyze(policy, trajectories, 1024, 96)
+    found = screen_skill_checks([t["gt"] for t in trajectories], skill_list)
+    for name, (value, count) in found.items():
+        print(f"{name}: {'-' if value is None else f'{value:.3f}'} of {count}")
+    return found
+
+
+def screen_skill_checks(ground_truths, skill_list):
+    """screen_skill_probes' measures from the episodes' ground truth (simulators/vision.py gt) and their skills
+    (None: unparsed) -> {measure: (share or None, count)}."""
+    cells = lambda skill: {int(n) for n in re.findall(r"cell (\d+)", skill)}
+    parsed = [(gt, s) for gt, s in zip(ground_truths, skill_list) if s]
+    won = [set(gt["targets"]) <= cells(s) for gt, s in parsed if gt["won"]]
+    guessed = [bool(cells(s) - {c for c, _ in gt["clicked"]}) for gt, s in parsed if not gt["won"]]
+    wrong = [gt["mistake"]["cell"] in cells(s) for gt, s in parsed if gt.get("mistake")]
+    share = lambda flags: (sum(flags) / len(flags) if flags else None, len(flags))
+    return {"parsed": (len(parsed) / len(skill_list), len(skill_list)),
+            "won: skill names every target cell": share(won),
+            "failed: skill names a cell never clicked (a guess)": share(guessed),
+            "failed by a wrong click: skill names that cell": share(wrong)}
 
 
 def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4, kl_coef=0.1, seed_value=0):
@@ -404,7 +447,8 @@ def main(argv=None):
                    help="runs at a time, each with cores / jobs threads (default: 2, or 1 on one core)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, measures nothing")
     p.add_argument("--picture", metavar="RUN_DIR", help="write the delta picture for a finished run and exit")
-    p.add_argument("--probes", metavar="MODEL_DIR", help="habit probe, skill lift and fixing-skill share of a model")
+    p.add_argument("--probes", metavar="MODEL_DIR", help="habit probe, skill lift and fixing-skill "
+                   "share of a model; of a vision model: are its skills right about the pixels")
     p.add_argument("--evaluate", metavar="MODEL_DIR", nargs="+", help="evaluate finished models again "
                    "(--eval-temperature, --eval-tasks) and exit")
     p.add_argument("--eval-temperature", type=float, default=0.4, help="--evaluate: sampling temperature (OPID's)")
@@ -415,7 +459,8 @@ def main(argv=None):
     if args.picture:
         return picture(args.picture)
     if args.probes:
-        return probes(args.probes)
+        from models.vision import is_vlm
+        return screen_skill_probes(args.probes) if is_vlm(args.probes) else probes(args.probes)
     if args.evaluate:
         return evaluate_models(args.evaluate, args.eval_temperature, args.eval_tasks)
     if args.mechanism:

@@ -45,7 +45,8 @@ def clicks(trajectory):
     the task) or "nothing" (an empty cell). Answers that were no click at all are not drawn."""
     gt = trajectory["gt"]
     wrong = (gt.get("mistake") or {}).get("cell")
-    return [(cell, "nothing" if look is None else "wrong" if cell == wrong else "target") for cell, look in gt["clicked"]]
+    return [(cell, "nothing" if look is None else "wrong" if cell == wrong else "target")
+            for cell, look in gt["clicked"]]
 
 
 def panel(trajectory, skill, title):

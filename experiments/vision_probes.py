@@ -274,7 +274,8 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
         held_out = {"held_out": examples[distinct:distinct + 48]}
         answers = len(COLORS) if probe == "colour" else GRID * GRID
     easy_rng = random.Random(seed_value + 1)  # its own stream: the probe's data and batches stay as without it
-    easy = [cell_example(easy_rng, first_shapes, screen_as_text=screen_as_text) for _ in range(4000 if first_steps else 0)]
+    easy = [cell_example(easy_rng, first_shapes, screen_as_text=screen_as_text)
+            for _ in range(4000 if first_steps else 0)]
     easy = [(prompt, (answer_text if write is answer_text else named_answer_text)(prompt, k)) for prompt, k in easy]
     for attempt in range(own_recall_restarts + 1):  # attempt k draws its initial weights from seed + 1000 k
         with tempfile.TemporaryDirectory(prefix="vision_probe_") as scratch:  # the model folder, unless one is given

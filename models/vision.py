@@ -3,11 +3,12 @@
 `ImageText` is a user message (str) that carries its screenshot and `ImageIds` the prompt's token ids
 (list) that carry the processed pixels: they flow through rollout, analysis, re-scoring and the loss like
 plain str / list, so the teacher prompt (skills.with_skill on the text) keeps the SAME pixels.
-`encode_image_chat` does the processor's work by hand (PIL image processor, then <|vision_start|>
-<|image_pad|> x grid_t*grid_h*grid_w/merge^2 <|vision_end|> before the text); `image_inputs` gives a
-padded batch its pixel_values, image_grid_thw, mm_token_type_ids and 3D M-RoPE position ids. Only the
-padded layout carries images. Departure from the paper: its MiniWoB policy is a pretrained Qwen2.5-VL;
-the tiny VLM (models/tiny.py) learns to read screenshots in its warm-up. Run: python train.py --env vision
+`encode_image_chat` does the processor's work by hand (PIL image processor, then the text and after it
+<|vision_start|> <|image_pad|> x grid_t*grid_h*grid_w/merge^2 <|vision_end|>: the screenshot ends the user
+turn); `image_inputs` gives a padded batch its pixel_values, image_grid_thw, mm_token_type_ids and 3D M-RoPE
+position ids. Only the padded layout carries images. Departure from the paper: its MiniWoB policy is a
+pretrained Qwen2.5-VL; the tiny VLM (models/tiny.py) learns to read screenshots in its warm-up.
+Run: python train.py --env vision
 """
 import torch
 
@@ -66,7 +67,9 @@ def has_images(prompts):
 # ----------------------------------------------------------------------------- prompts and batches
 
 def encode_image_chat(tokenizer, message):
-    """Token ids (ImageIds) of one user turn [image, text] plus the assistant header."""
+    """Token ids (ImageIds) of one user turn [text, image] plus the assistant header. The screenshot comes last,
+    next to where the answer is written: the tiny VLM warmed up that way read 0.542 / 0.333 greedy success with
+    warm-up seed 1, against 0.271 / 0.271 with the screenshot first (docs/vision.md)."""
     processor = getattr(tokenizer, "image_processor", None)
     if processor is None:
         raise ValueError("this env shows images but the model has no image processor: use a Qwen2-VL / Qwen2.5-VL "
@@ -74,10 +77,10 @@ def encode_image_chat(tokenizer, message):
     out = processor(images=[message.image], return_tensors="pt")
     grid = out["image_grid_thw"][0]                                                # (3,)
     n_tokens = int(grid.prod()) // processor.merge_size ** 2
-    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": str(message)}]}]
+    turn = [{"role": "user", "content": [{"type": "text", "text": str(message)}, {"type": "image"}]}]
     chat = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
-    if IMAGE_PAD not in chat:  # a template that only renders string content: the image block opens the message
-        turn = [{"role": "user", "content": f"{VISION_START}{IMAGE_PAD}{VISION_END}{message}"}]
+    if IMAGE_PAD not in chat:  # a template that only renders string content: the image block ends the message
+        turn = [{"role": "user", "content": f"{message}{VISION_START}{IMAGE_PAD}{VISION_END}"}]
         chat = tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
     ids = ImageIds(tokenizer(chat.replace(IMAGE_PAD, IMAGE_PAD * n_tokens, 1), add_special_tokens=False)["input_ids"])
     ids.pixel_values, ids.grid_thw = out["pixel_values"], grid                     # (patches, 3*2*14*14), (3,)

@@ -74,6 +74,24 @@ def test_probes_measure_a_model(tiny):
     assert 0 <= found["habit valid_seen"] <= 1 and -1 <= found["skill lift valid_unseen"] <= 1
 
 
+def test_screen_skill_checks_tell_guessed_cells_from_shown_ones():
+    """Vision --probes: a won skill must name every target cell; a failed one that names a cell the episode never
+    clicked is a guess (the text does not show it); a wrong click's cell should be named."""
+    won = {"won": True, "targets": [7, 2], "clicked": [[7, ["red", "circle"]], [2, ["red", "cross"]]]}
+    wrong = {"won": False, "targets": [9], "clicked": [[5, ["blue", "square"]]],
+             "mistake": {"cell": 5, "item": ["blue", "square"]}}
+    empty = {"won": False, "targets": [3], "clicked": [[4, None]], "mistake": None}
+    found = experiment.screen_skill_checks(
+        [won, won, wrong, wrong, empty, empty],
+        ["The task wanted the red circle in cell 7 then the red cross in cell 2.", "Click cell 7.",
+         "Mistake: cell 5 was not what the task asks for.", "The task wanted the blue square in cell 9.",
+         "Do not waste steps on empty cells (cell 4).", None])
+    assert found["parsed"] == (5 / 6, 6)
+    assert found["won: skill names every target cell"] == (0.5, 2)  # "cell 17" would not count as cell 7
+    assert found["failed: skill names a cell never clicked (a guess)"] == (1 / 3, 3)
+    assert found["failed by a wrong click: skill names that cell"] == (0.5, 2)
+
+
 def test_skill_show_tokens_marks_trained_tokens():
     tokenizer = types.SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
     ids, mask = [ord(c) for c in "ab<cd>e"], [0, 0, 0, 1, 1, 0, 0]

@@ -7,6 +7,7 @@ finished trajectory from the env's ground truth, JSONL in and out) and the tiny 
 """
 import json
 import random
+import re
 
 import pytest
 import torch
@@ -123,17 +124,27 @@ def test_skill_jsonl_round_trip_and_errors(tmp_path):
         write_jsonl(str(path), [{"prompt": "p", "completion": "c"}, {"prompt": "p"}])
 
 
-def test_vision_annotations_name_the_target_cells():
-    env = make_env("vision", "train", 0)
-    for epsilon in (0.0, 1.0):
-        obs, info = env.reset(3)
-        trajectory, done, rng = {"task": info["task"], "steps": []}, False, random.Random(0)
+def test_vision_annotations_name_only_cells_the_text_shows():
+    """A success's skill names the target cells (the clicks that made them disappear); a failure's names only
+    cells the agent clicked (the text says which), never the target's cell, which only the pixels show."""
+    env, outcomes = make_env("vision", "train", 0), set()
+    for task_seed, epsilon in [(s, e) for s in range(3, 9) for e in (0.0, 1.0)]:
+        obs, info = env.reset(task_seed)
+        trajectory, done, rng = {"task": info["task"], "steps": []}, False, random.Random(task_seed)
         while not done:
             action = env.expert_action(epsilon, rng)
             obs, _, done, info = env.step(action)
             trajectory["steps"].append({"action": action, "observation": obs["text"]})
-        skill = parse_skill(annotate(trajectory, info["gt"]), task=info["task"])
-        assert skill and f"cell {info['gt']['targets'][0]}" in skill, (epsilon, skill, info["gt"])
+        gt, skill = info["gt"], parse_skill(annotate(trajectory, info["gt"]), task=info["task"])
+        named = {int(n) for n in re.findall(r"cell (\d+)", skill)}
+        clicked = {c for c, _ in gt["clicked"]}
+        if gt["won"]:
+            assert named == set(gt["targets"]), (skill, gt)
+        else:
+            assert named <= clicked and (not gt.get("mistake") or gt["mistake"]["cell"] in named), (skill, gt)
+        outcomes.add((gt["won"], bool(gt.get("mistake"))))
+    assert outcomes == {(True, False), (False, True), (False, False)}, outcomes
+
 
 # =============================================================================
 # warmup/warm_start.py: demonstrations, the planted habit and its probe, the supervised steps

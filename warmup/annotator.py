@@ -301,7 +301,10 @@ def annotate(trajectory, gt=None, rng=None):
 
 
 def _vision_annotation(trajectory, gt, rng):
-    """Screenshot click tasks (simulators/vision.py gt): where the targets were, and for a failure the wrong click."""
+    """Screenshot click tasks (simulators/vision.py gt): for a success where the targets were; for a failure
+    only what the episode's text shows (the cell clicked wrongly or in vain), not where the target was: an
+    analyzer that reads the screen no better than the policy could only guess that cell, and a teacher given a
+    guessed cell pushes towards it (docs/vision.md)."""
     look = lambda cell: " ".join(gt["items"].get(cell, gt["items"].get(str(cell), ["empty", "cell"])))
     targets = " then ".join(f"the {look(c)} in cell {c}" for c in gt["targets"])
     clicks = [f"cell {c}" for c, _ in gt["clicked"]] or ["nothing"]
@@ -311,14 +314,16 @@ def _vision_annotation(trajectory, gt, rng):
                                     f"The task wanted {targets}; read colour and shape, then click that cell."])
     mistake = gt.get("mistake")
     if mistake:
-        wrong = f"cell {mistake['cell']} held a {' '.join(mistake['item'])}"
-        summary = f"The agent failed '{gt['task']}': it clicked cell {mistake['cell']}, a {' '.join(mistake['item'])}."
-        return summary, rng.choice([f"Check colour and shape before clicking: {wrong}, but the task wanted {targets}.",
-                                    f"Mistake: {wrong}. Click {targets}."])
+        summary = f"The agent failed '{gt['task']}': it clicked cell {mistake['cell']}, a wrong item."
+        return summary, rng.choice([f"Mistake: cell {mistake['cell']} was not what '{gt['task']}' asks for; "
+                                    "check colour and shape before clicking.",
+                                    f"Avoid cell {mistake['cell']}: the wrong item for '{gt['task']}'. Click only "
+                                    "an item whose colour and shape match."])
     what = "invalid actions" if gt.get("invalid_steps") else "empty cells"
     summary = f"The agent failed '{gt['task']}': it used its steps on {what} ({', '.join(clicks)})."
-    return summary, rng.choice([f"Answer 'click N' with the cell of the target: {targets}.",
-                                f"Do not waste steps on {what}; the task wanted {targets}."])
+    return summary, rng.choice([f"Answer 'click N' with the cell of the item '{gt['task']}' names, not {what}.",
+                                f"Do not waste steps on {what} ({', '.join(clicks)}); find the item the task "
+                                "names and click its cell."])
 
 
 def _miniwob_annotation(trajectory, gt, rng):
