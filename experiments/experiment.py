@@ -225,16 +225,31 @@ def screen_skill_probes(model, episodes=64, seed_value=0):
     sampled episode each, as in training) and analyzes them. Of the parsed skills: for won episodes the share
     that names every target's cell ("cell 7"); for failed ones the share that names a cell the episode never
     clicked (the text does not show what is there: a guess, which the teacher would then follow), and of the
-    failures by a wrong click, the share that names that cell."""
+    failures by a wrong click, the share that names that cell. Then the teacher's delta at the wrong clicks and
+    at the steps of won episodes."""
     import envs
     import seed
     from models.policy import load_policy
+    from models.scoring import response_mask
     policy = load_policy(model, device="cpu", dtype="float32")
     env_list = [envs.make_env("vision", "train", i) for i in range(episodes)]
     trajectories = seed.rollout(policy, env_list, list(range(10_000, 10_000 + episodes)), 1, 6, 48, 1.0, 3,
                                 env_name="vision", generator=torch.Generator().manual_seed(seed_value))
     skill_list, _ = seed.analyze(policy, trajectories, 1024, 96)
     found = screen_skill_checks([t["gt"] for t in trajectories], skill_list)
+    # what the teacher does with those skills: delta summed over a step's response, at the wrong click of a
+    # failure (negative: the skill lowers the mistake) and at the steps of won episodes (positive: it raises them)
+    rows = seed.step_rows(trajectories, skill_list)
+    old, teacher, _, has_teacher = seed.rescore(policy, rows)
+    step_delta = ((teacher - old) * response_mask(rows["responses"])).sum(1)    # (B,)
+    step_of = [sum(j == rows["trajectory"][i] for j in rows["trajectory"][:i]) for i in range(len(step_delta))]
+    for name, keep in (("wrong click", lambda gt, step: (gt.get("mistake") or {}).get("step") == step),
+                       ("won episode's step", lambda gt, step: gt["won"])):
+        values = [float(step_delta[i]) for i, t in enumerate(rows["trajectory"])
+                  if has_teacher[i] and keep(trajectories[t]["gt"], step_of[i])]
+        found[f"{name}: summed delta, mean"] = (statistics.mean(values) if values else None, len(values))
+        found[f"{name}: share with delta < 0"] = (sum(v < 0 for v in values) / len(values) if values else None,
+                                                  len(values))
     for name, (value, count) in found.items():
         print(f"{name}: {'-' if value is None else f'{value:.3f}'} of {count}")
     return found

@@ -121,6 +121,18 @@ def test_seed_update_with_the_tiny_vlm_on_the_vision_env(tiny_vlm, tmp_path):
     assert changed > 10, changed  # the vision tower and the LM both moved
 
 
+def test_screen_skill_probes_run_on_a_vision_model_folder(tiny_vlm, tmp_path):
+    """experiment.py --probes on a VLM folder: the skill checks plus the teacher's delta at wrong clicks and at won
+    steps, each a (value or None, count) pair."""
+    from experiments import experiment
+    tiny_vlm.model.save_pretrained(tmp_path)
+    tiny_vlm.tokenizer.save_pretrained(tmp_path)
+    tiny_vlm.tokenizer.image_processor.save_pretrained(tmp_path)
+    found = experiment.screen_skill_probes(str(tmp_path), episodes=3)
+    assert "wrong click: summed delta, mean" in found and found["parsed"][1] == 3, found
+    assert all(value is None or math.isfinite(value) for value, _ in found.values()), found
+
+
 def test_supervised_step_with_images(tiny_vlm, tmp_path):
     """The warm-up's SFT step on (image prompt, completion), with the prompt language-modelling loss."""
     tiny_vlm.model.save_pretrained(tmp_path)

@@ -301,17 +301,16 @@ def annotate(trajectory, gt=None, rng=None):
 
 
 def _vision_annotation(trajectory, gt, rng):
-    """Screenshot click tasks (simulators/vision.py gt): for a success where the targets were; for a failure
-    only what the episode's text shows (the cell clicked wrongly or in vain), not where the target was: an
-    analyzer that reads the screen no better than the policy could only guess that cell, and a teacher given a
-    guessed cell pushes towards it (docs/vision.md)."""
-    look = lambda cell: " ".join(gt["items"].get(cell, gt["items"].get(str(cell), ["empty", "cell"])))
-    targets = " then ".join(f"the {look(c)} in cell {c}" for c in gt["targets"])
+    """Screenshot click tasks (simulators/vision.py gt): only what the episode's text shows, for a success the
+    target cells, for a failure the cell clicked wrongly or in vain. Not where a missed target was nor what an
+    item looked like: an analyzer that reads the screen no better than the policy could only guess those, and a
+    teacher given a guess pushes towards it (docs/vision.md)."""
+    targets = " then ".join(f"cell {c}" for c in gt["targets"])
     clicks = [f"cell {c}" for c, _ in gt["clicked"]] or ["nothing"]
-    if gt["won"]:
+    if gt["won"]:  # the cells, not their looks: the text shows which clicks made an item disappear, not its colour
         summary = f"The agent solved '{gt['task']}' by clicking {', '.join(clicks)}."
-        return summary, rng.choice([f"Find the target in the screenshot and click its cell: {targets}.",
-                                    f"The task wanted {targets}; read colour and shape, then click that cell."])
+        return summary, rng.choice([f"For '{gt['task']}' the targets were {targets}; find them by colour and shape.",
+                                    f"'{gt['task']}': click {targets}; read colour and shape before each click."])
     mistake = gt.get("mistake")
     if mistake:
         summary = f"The agent failed '{gt['task']}': it clicked cell {mistake['cell']}, a wrong item."

@@ -58,10 +58,10 @@ CONTRAST_COPIES = 3
 # when its settings match the run's exactly, unless --build-warm-start
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warm_starts")
 VISION_ENVS = ("vision", "miniwob")  # screenshot observations: the tiny model is a Qwen2-VL (models/tiny.py)
-SCREEN_VERSION = 5  # bumped with the screenshot warm-up alone, so the household caches stay valid
+SCREEN_VERSION = 6  # bumped with the screenshot warm-up alone, so the household caches stay valid
 # (2: large cell numbers, white -> 0 pixel normalisation, lr 1e-3 and beta2 0.95; 3: the think names the target's
 # look right before its cell number, VISION_LR_SCALE, drills, VISION_INIT_STD; 4: the screenshot after the text;
-# 5: a failure's skill names the wrong click, not the target's cell)
+# 5: a failure's skill names the wrong click, not the target's cell; 6: a success's names cells, not looks)
 # the vision tower trains at a tenth of the language model's rate: at the same rate its features collapse within
 # the first steps and the policy never learns which item the instruction names (docs/vision.md: a 4-item cell
 # probe read 0.21 at 600 steps at the same rate, 0.60 at a tenth)
