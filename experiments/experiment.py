@@ -242,14 +242,13 @@ def screen_skill_probes(model, episodes=64, seed_value=0):
     rows = seed.step_rows(trajectories, skill_list)
     old, teacher, _, has_teacher = seed.rescore(policy, rows)
     step_delta = ((teacher - old) * response_mask(rows["responses"])).sum(1)    # (B,)
-    step_of = [sum(j == rows["trajectory"][i] for j in rows["trajectory"][:i]) for i in range(len(step_delta))]
+    step_of = [step for t in trajectories for step in range(len(t["steps"]))]  # step_rows' order
     for name, keep in (("wrong click", lambda gt, step: (gt.get("mistake") or {}).get("step") == step),
                        ("won episode's step", lambda gt, step: gt["won"])):
         values = [float(step_delta[i]) for i, t in enumerate(rows["trajectory"])
                   if has_teacher[i] and keep(trajectories[t]["gt"], step_of[i])]
         found[f"{name}: summed delta, mean"] = (statistics.mean(values) if values else None, len(values))
-        found[f"{name}: share with delta < 0"] = (sum(v < 0 for v in values) / len(values) if values else None,
-                                                  len(values))
+        found[f"{name}: share with delta < 0"] = share_of([v < 0 for v in values])
     for name, (value, count) in found.items():
         print(f"{name}: {'-' if value is None else f'{value:.3f}'} of {count}")
     return found
@@ -263,11 +262,15 @@ def screen_skill_checks(ground_truths, skill_list):
     won = [set(gt["targets"]) <= cells(s) for gt, s in parsed if gt["won"]]
     guessed = [bool(cells(s) - {c for c, _ in gt["clicked"]}) for gt, s in parsed if not gt["won"]]
     wrong = [gt["mistake"]["cell"] in cells(s) for gt, s in parsed if gt.get("mistake")]
-    share = lambda flags: (sum(flags) / len(flags) if flags else None, len(flags))
     return {"parsed": (len(parsed) / len(skill_list), len(skill_list)),
-            "won: skill names every target cell": share(won),
-            "failed: skill names a cell never clicked (a guess)": share(guessed),
-            "failed by a wrong click: skill names that cell": share(wrong)}
+            "won: skill names every target cell": share_of(won),
+            "failed: skill names a cell never clicked (a guess)": share_of(guessed),
+            "failed by a wrong click: skill names that cell": share_of(wrong)}
+
+
+def share_of(flags):
+    """(share of True or None when empty, count)"""
+    return (sum(flags) / len(flags) if flags else None, len(flags))
 
 
 def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4, kl_coef=0.1, seed_value=0):

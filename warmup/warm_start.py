@@ -91,9 +91,10 @@ WEBSHOP_SUBGOALS = (("search[", "search for the product"), ("click[buy now]", "b
 def subgoal(gt, holding, transformed, action=""):
     """A short reasoning text for the expert's <think>: the current subgoal."""
     if gt.get("env") == "vision" and action.startswith("click "):
-        look = gt.get("items", {}).get(int(action.split()[1]))
+        cell = int(action.split()[1])
+        look = gt.get("items", {}).get(cell)
         if look:  # " red circle7": the look the instruction picks out, then its cell, so the number's first digit
-            return f" {look[0]} {look[1]}{int(action.split()[1])}"  # is predicted right after the words it matches
+            return f" {look[0]} {look[1]}{cell}"  # is predicted right after the words it matches
     if gt.get("env") in ("vision", "miniwob"):
         return "find what the task names in the screenshot"
     if gt.get("env") == "webshop":
