@@ -6,7 +6,7 @@ distillation signal.
     python experiments/experiment.py --seeds 0 1 2 --updates 20 --eval-every 4 --root out/vision-experiment \
         -- --env vision                                                  # on screenshots (docs/vision.md)
     python experiments/experiment.py --seeds 0 --updates 2 --smoke       # a quick check that the pipeline runs
-    python experiments/experiment.py --picture out/experiment/seed-0     # delta picture of one trajectory (HTML + terminal)
+    python experiments/experiment.py --picture out/experiment/seed-0     # one trajectory's delta (HTML, terminal)
     python experiments/experiment.py --probes MODEL_DIR                  # habit probe, skill lift, fixing-skill share
                                                                         # (a vision model: skills right about pixels)
     python experiments/experiment.py --mechanism MODEL_DIR               # SEED vs GRPO updates on all-failed groups
@@ -89,7 +89,8 @@ def summarise(args, runs):
     config = json.load(open(os.path.join(runs[0][2], "config.json")))
     per_update = config["tasks_per_update"] * config["group_size"]
     updates = evaluation_updates(runs)
-    lines = [f"# SEED vs GRPO on the {config['env']} env ({len(args.seeds)} seeds, {per_update} episodes per update)"]
+    seeds = f"{len(args.seeds)} seed{'s' * (len(args.seeds) != 1)}"
+    lines = [f"# SEED vs GRPO on the {config['env']} env ({seeds}, {per_update} episodes per update)"]
     curves = {}
     for metric, name in METRICS:
         rows = []
@@ -116,7 +117,8 @@ def summarise(args, runs):
         last = [m[-1].get("parse_fail") for m in metrics if m and m[-1].get("parse_fail") is not None]
         delta = [x["delta_abs_mean"] for m in metrics for x in m if "delta_abs_mean" in x]
         share = [x["teacher_token_share"] for m in metrics for x in m if "teacher_token_share" in x]
-        advantage = [x["adv_mean"] for m in metrics for x in m if "adv_mean" in x]  # token mean of A_grpo + lambda delta
+        # the token mean of A_grpo + lambda delta
+        advantage = [x["adv_mean"] for m in metrics for x in m if "adv_mean" in x]
         fmt = lambda v: f"{statistics.mean(v):.3f}" if v else "-"
         lines.append(f"| {algo} | {fmt(first)} -> {fmt(last)} | {fmt(delta)} | {fmt(share)} | {fmt(advantage)} |")
     if any(not math.isnan(mean) for (m, _, _), points in curves.items() if m == "habit_unlearned"
@@ -173,7 +175,8 @@ def plot(args, curves):
         print("matplotlib not installed: no plot (pip install matplotlib)")
         return
     metrics = [(metric, name) for metric, name in METRICS
-               if any(not math.isnan(mean) for (m, _, _), points in curves.items() if m == metric for _, mean, _ in points)]
+               if any(not math.isnan(mean) for (m, _, _), points in curves.items() if m == metric
+                      for _, mean, _ in points)]
     figure, axes = plt.subplots(len(metrics), 2, figsize=(10, 4 * len(metrics)), squeeze=False)
     for (metric, name), axis_row in zip(metrics, axes):
         for axis, split in zip(axis_row, ("valid_seen", "valid_unseen")):
@@ -226,7 +229,7 @@ def screen_skill_probes(model, episodes=64, seed_value=0):
     that names every target's cell ("cell 7"); for failed ones the share that names a cell the episode never
     clicked (the text does not show what is there: a guess, which the teacher would then follow), and of the
     failures by a wrong click, the share that names that cell. Then the teacher's delta at the wrong clicks and
-    at the steps of won episodes."""
+    at the steps of won episodes, and screen_skill_lift."""
     import envs
     import seed
     from models.policy import load_policy
@@ -239,19 +242,74 @@ def screen_skill_probes(model, episodes=64, seed_value=0):
     found = screen_skill_checks([t["gt"] for t in trajectories], skill_list)
     # what the teacher does with those skills: delta summed over a step's response, at the wrong click of a
     # failure (negative: the skill lowers the mistake) and at the steps of won episodes (positive: it raises them)
+    # and which tokens take it: the think's cell digits (where the click is decided: the action copies them) or
+    # its look words ("red circle")
     rows = seed.step_rows(trajectories, skill_list)
     old, teacher, _, has_teacher = seed.rescore(policy, rows)
-    step_delta = ((teacher - old) * response_mask(rows["responses"])).sum(1)    # (B,)
+    delta = (teacher - old) * response_mask(rows["responses"])                  # (B, R)
+    cells, looks = torch.zeros_like(delta), torch.zeros_like(delta)             # (B, R) each
+    for row, response in enumerate(rows["responses"]):
+        cell_positions, look_positions = think_parts(policy.tokenizer, response)
+        cells[row, cell_positions], looks[row, look_positions] = 1.0, 1.0
     step_of = [step for t in trajectories for step in range(len(t["steps"]))]  # step_rows' order
     for name, keep in (("wrong click", lambda gt, step: (gt.get("mistake") or {}).get("step") == step),
                        ("won episode's step", lambda gt, step: gt["won"])):
-        values = [float(step_delta[i]) for i, t in enumerate(rows["trajectory"])
+        chosen = [i for i, t in enumerate(rows["trajectory"])
                   if has_teacher[i] and keep(trajectories[t]["gt"], step_of[i])]
-        found[f"{name}: summed delta, mean"] = (statistics.mean(values) if values else None, len(values))
-        found[f"{name}: share with delta < 0"] = share_of([v < 0 for v in values])
+        for part, weights in (("", None), (" at the cell digits", cells), (" at the look words", looks)):
+            values = [float((delta[i] if weights is None else delta[i] * weights[i]).sum()) for i in chosen]
+            found[f"{name}: summed delta{part}, mean"] = (statistics.mean(values) if values else None, len(values))
+        found[f"{name}: share with delta < 0"] = share_of([float(delta[i].sum()) < 0 for i in chosen])
+    found.update(screen_skill_lift(policy, episodes))
     for name, (value, count) in found.items():
         print(f"{name}: {'-' if value is None else f'{value:.3f}'} of {count}")
     return found
+
+
+def screen_skill_lift(policy, tasks=64):
+    """Does the teacher follow a skill that is right? On the first step of `tasks` valid_seen tasks, the greedy
+    first click without a skill, with a success skill that names the target's cell, and with a mistake skill that
+    names a distractor's cell (both in the annotator's words): the household probe's skill lift, on screens."""
+    import envs
+    import seed
+    import skills
+    from models import vision
+    env, prompts, answers = envs.make_env("vision", "valid_seen", 0), [], []
+    for task_seed in range(tasks):
+        observation, info = env.reset(task_seed)
+        target, task = env.targets[0] + 1, info["task"]
+        distractor = next(cell + 1 for cell in sorted(env.items) if cell not in env.targets)
+        prompt = vision.user_message(seed.render_prompt(task, [], vision.observation_text(observation),
+                                                        info["admissible"], 3, "vision"), observation)
+        for skill in (None, f"'{task}': click cell {target}; read colour and shape before each click.",
+                      f"Mistake: cell {distractor} was not what '{task}' asks for; check colour and shape before "
+                      "clicking."):
+            prompts.append(prompt if skill is None else vision.same_image(prompt, skills.with_skill(prompt, skill)))
+        answers.append((target, distractor))
+    responses, _ = seed.sample(policy, [seed.encode_chat(policy.tokenizer, p) for p in prompts], 48, 0.0)
+    clicks = [seed.parse_action(policy.tokenizer.decode(r, skip_special_tokens=True)) for r in responses]
+    # the share of tasks whose prompt `variant` (0: no skill, 1: success, 2: mistake) clicked the target (which
+    # 0) or the distractor (1)
+    share = lambda variant, which: share_of([clicks[3 * i + variant] == f"click {cells[which]}"
+                                             for i, cells in enumerate(answers)])
+    return {"first click on the target: no skill": share(0, 0),
+            "first click on the target: a skill names it": share(1, 0),
+            "first click on a distractor: no skill": share(0, 1),
+            "first click on a distractor: a skill names it a mistake": share(2, 1)}
+
+
+def think_parts(tokenizer, response):
+    """(cell digit positions, look word positions) inside a vision response's <think>...</think>: in
+    " red circle14" the tokens of "14" and of "red circle"."""
+    cells, looks, text = [], [], ""
+    for position, token in enumerate(response):
+        piece = tokenizer.decode([token])
+        if "</think>" in text + piece:
+            break
+        if "<think>" in text and piece.strip():
+            (cells if piece.strip().isdigit() else looks).append(position)
+        text += piece
+    return cells, looks
 
 
 def screen_skill_checks(ground_truths, skill_list):
@@ -402,9 +460,9 @@ def picture(run_dir, task_seed=0, max_tries=8):
     if checkpoint is None:
         sys.exit(f"error: no checkpoint in {run_dir}/checkpoints")
     policy = load_policy(checkpoint, device="cpu", dtype="float32")
-    options = envs.env_options(config["env"], config["max_steps"], config.get("data_dir"), config["out_dir"],  # the env as
+    options = envs.env_options(config["env"], config["max_steps"], config.get("data_dir"), config["out_dir"],
                                config["seed"], config.get("task", "click-test"), config.get("miniwob_elements", False))
-    max_steps = options["max_steps"]  # the run had it
+    max_steps = options["max_steps"]  # the env as the run had it
     env = envs.make_env(config["env"], "train", 0, **options)
     for attempt in range(max_tries):  # the picture needs a trajectory whose analysis parsed
         trajectories = seed.rollout(policy, [env], [task_seed + attempt], 1, max_steps,

@@ -92,6 +92,15 @@ def test_screen_skill_checks_tell_guessed_cells_from_shown_ones():
     assert found["failed by a wrong click: skill names that cell"] == (0.5, 2)
 
 
+def test_think_parts_split_the_cell_digits_from_the_look_words():
+    """Vision --probes splits the teacher's delta: the think's digits (the decided cell) vs its look words; the
+    action after </think> and the tags are neither."""
+    pieces = ["<think>", " red", " circle", "1", "4", "</think>", "<action>", "click", " 1", "4", "</action>"]
+    tokenizer = types.SimpleNamespace(decode=lambda ids: "".join(pieces[i] for i in ids))
+    assert experiment.think_parts(tokenizer, list(range(len(pieces)))) == ([3, 4], [1, 2])
+    assert experiment.think_parts(tokenizer, [6, 7, 8]) == ([], [])  # no think: nothing
+
+
 def test_skill_show_tokens_marks_trained_tokens():
     tokenizer = types.SimpleNamespace(decode=lambda ids: "".join(map(chr, ids)))
     ids, mask = [ord(c) for c in "ab<cd>e"], [0, 0, 0, 1, 1, 0, 0]

@@ -89,9 +89,10 @@ def test_vlm_prompt_carries_the_image_and_rescoring_matches_sampling(tiny_vlm):
         seed.encode_chat(types.SimpleNamespace(), texts[0])
 
 
-def seed_update(policy, env_list, task_seeds, env_name, max_steps):
+def seed_update(policy, env_list, task_seeds, env_name, max_steps, vision_lr_scale=1.0):
     """One SEED update by hand, as train.py does it: rollout, analyze, re-score (teacher on the same pixels),
-    GRPO advantages, PPO-clip + distillation. Returns (trajectories, rows, teacher, metrics, skipped)."""
+    GRPO advantages, PPO-clip + distillation, the vision tower at lr * vision_lr_scale. Returns (trajectories,
+    rows, teacher, metrics, skipped)."""
     trajectories = seed.rollout(policy, env_list, task_seeds, 2, max_steps, max_new_tokens=12, env_name=env_name,
                                 generator=torch.Generator().manual_seed(0))
     skill_list, _ = seed.analyze(policy, trajectories, max_new_tokens=8)
@@ -101,7 +102,7 @@ def seed_update(policy, env_list, task_seeds, env_name, max_steps):
                zip(rows["teacher_prompts"], [s["prompt"] for t in trajectories for s in t["steps"]]))
     old, teacher, ref, has_teacher = seed.rescore(policy, rows, need_old=False)
     advantages = seed.step_advantages(trajectories, rows, stats="trajectories")
-    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(warm_start.parameter_groups(policy.model, 1e-3, vision_lr_scale), lr=1e-3)
     metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages, old,
                                           teacher, ref, has_teacher, dict(distill_coef=0.1))
     return trajectories, rows, teacher, metrics, skipped
@@ -121,15 +122,33 @@ def test_seed_update_with_the_tiny_vlm_on_the_vision_env(tiny_vlm, tmp_path):
     assert changed > 10, changed  # the vision tower and the LM both moved
 
 
+def test_the_tiny_vision_preset_freezes_the_vision_tower_in_rl(tiny_vlm, tmp_path):
+    """--env vision with the tiny model: RL leaves the vision tower as the warm-up made it (--vision-lr-scale 0;
+    with it training GRPO lost valid_seen success, docs/vision.md) and trains the language model."""
+    import train
+    scale = train.get_config(["--env", "vision"]).vision_lr_scale
+    assert (scale, train.get_config([]).vision_lr_scale) == (0.0, 1.0)
+    tiny_vlm.model.save_pretrained(tmp_path)
+    policy = Policy(AutoModelForImageTextToText.from_pretrained(tmp_path), tiny_vlm.tokenizer)
+    tower = [p.detach().clone() for p in policy.model.model.visual.parameters()]
+    head = policy.model.lm_head.weight.detach().clone()
+    _, _, _, metrics, skipped = seed_update(policy, [make_env("vision", "train", i) for i in range(4)], [5, 6],
+                                            "vision", 2, vision_lr_scale=scale)
+    assert skipped is None and metrics["grad_norm"] > 0, (skipped, metrics)
+    assert all(torch.equal(a, b) for a, b in zip(tower, policy.model.model.visual.parameters()))
+    assert not torch.equal(head, policy.model.lm_head.weight)
+
+
 def test_screen_skill_probes_run_on_a_vision_model_folder(tiny_vlm, tmp_path):
-    """experiment.py --probes on a VLM folder: the skill checks plus the teacher's delta at wrong clicks and at won
-    steps, each a (value or None, count) pair."""
+    """experiment.py --probes on a VLM folder: the skill checks, the teacher's delta at wrong clicks and at won
+    steps (all, cell digits, look words) and the skill lift on screens, each a (value or None, count) pair."""
     from experiments import experiment
     tiny_vlm.model.save_pretrained(tmp_path)
     tiny_vlm.tokenizer.save_pretrained(tmp_path)
     tiny_vlm.tokenizer.image_processor.save_pretrained(tmp_path)
     found = experiment.screen_skill_probes(str(tmp_path), episodes=3)
     assert "wrong click: summed delta, mean" in found and found["parsed"][1] == 3, found
+    assert found["first click on the target: a skill names it"][1] == 3, found  # screen_skill_lift, 3 tasks
     assert all(value is None or math.isfinite(value) for value, _ in found.values()), found
 
 
