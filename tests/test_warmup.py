@@ -146,6 +146,30 @@ def test_vision_annotations_name_only_cells_the_text_shows():
     assert outcomes == {(True, False), (False, True), (False, False)}, outcomes
 
 
+def test_vision_skill_drills_leave_the_click_to_the_skill():
+    """In a skill drill the screenshot shows the task's look twice, so only the skill decides which cell the label
+    clicks: the one a success's skill names, or the other one when a failure's skill names a mistake. Half the
+    skills quote the task with another colour; the label's look words still follow the task."""
+    from simulators.vision import read_screen
+    from warmup.warm_start import skill_drills
+    drills, kinds, miscopied = skill_drills(60, 3, seed_value=1), set(), 0
+    for prompt, response in drills:
+        task = re.search(r"Your task is to: (Click the (\w+) (\w+)\.)", prompt)
+        look = [task.group(2), task.group(3)]
+        items = {cell + 1: list(item) for cell, item in read_screen(prompt.image).items()}
+        twins = sorted(cell for cell, item in items.items() if item == look)
+        skill = re.search(r"\*\*Episode-Level Skill\*\*\n.*\n\[(.*)\]", prompt).group(1)
+        named = int(re.search(r"cell (\d+)", skill).group(1))
+        clicked = int(re.search(r"<action>click (\d+)</action>", response).group(1))
+        mistake = skill.startswith(("Mistake", "Avoid"))
+        assert len(twins) == 2 and named in twins, (twins, skill)
+        assert clicked == (next(c for c in twins if c != named) if mistake else named), (skill, response)
+        assert response.startswith(f"<think> {look[0]} {look[1]}{clicked}</think>"), response
+        kinds.add(mistake)
+        miscopied += task.group(1) not in skill
+    assert kinds == {True, False} and 15 <= miscopied <= 45, (kinds, miscopied)
+
+
 # =============================================================================
 # warmup/warm_start.py: demonstrations, the planted habit and its probe, the supervised steps
 # =============================================================================

@@ -58,10 +58,11 @@ CONTRAST_COPIES = 3
 # when its settings match the run's exactly, unless --build-warm-start
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warm_starts")
 VISION_ENVS = ("vision", "miniwob")  # screenshot observations: the tiny model is a Qwen2-VL (models/tiny.py)
-SCREEN_VERSION = 6  # bumped with the screenshot warm-up alone, so the household caches stay valid
+SCREEN_VERSION = 8  # bumped with the screenshot warm-up alone, so the household caches stay valid
 # (2: large cell numbers, white -> 0 pixel normalisation, lr 1e-3 and beta2 0.95; 3: the think names the target's
 # look right before its cell number, VISION_LR_SCALE, drills, VISION_INIT_STD; 4: the screenshot after the text;
-# 5: a failure's skill names the wrong click, not the target's cell; 6: a success's names cells, not looks)
+# 5: a failure's skill names the wrong click, not the target's cell; 6: a success's names cells, not looks;
+# 7: skills without the quoted task, not kept; 8: skill_drills)
 # the vision tower trains at a tenth of the language model's rate: at the same rate its features collapse within
 # the first steps and the policy never learns which item the instruction names (docs/vision.md: a 4-item cell
 # probe read 0.21 at 600 steps at the same rate, 0.60 at a tenth)
@@ -73,6 +74,8 @@ VISION_LR_SCALE = 0.1
 DRILL_STEPS, DRILL_SHAPES = 800, 4
 # and the screenshot model's language model starts from VISION_INIT_STD (the same probe: 0.417 / 0.188 at 0.02)
 VISION_INIT_STD = 0.08
+# skill-following examples in which the skill, not the screenshot, decides the click (skill_drills)
+SKILL_DRILLS = 1000
 
 
 # ----------------------------------------------------------------------------- demonstrations
@@ -187,6 +190,39 @@ def screen_drills(count, seed_value=0, shapes=DRILL_SHAPES):
         image = render({cell - 1: tuple(look) for cell, look in items.items()})
         drills.append((vision.ImageText(f"Click the {picked[0][0]} {picked[0][1]}.", image),
                        f"<think>{think}</think><action>{action}</action>"))
+    return drills
+
+
+def skill_drills(count, history_window, seed_value=0):
+    """count skill-following examples for the vision env in which the skill decides the click: the screenshot
+    shows the named look twice, and the skill (in the annotator's words) names the right cell as a success's
+    target or the other one as a failure's mistake; the label clicks the right one. The expert's own
+    skill-following episodes cannot teach this: the screenshot alone already decides their label, so the
+    teacher learns to ignore the skill (docs/vision.md: version 6's first click on the target 0.542 without a
+    skill, 0.490 with one that names its cell). Half the skills quote the task with another colour, as the
+    self-written ones often do: the think's look words follow the task line and the pixels, not the quote
+    (version 6's teacher delta at won steps -0.506, version 8's -0.025)."""
+    from simulators.vision import ACTIONS, COLORS, GRID, OBSERVATION, SHAPES, render
+    rng, drills = random.Random(f"skill drills {seed_value}"), []
+    for _ in range(count):
+        color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
+        others = [(color, s) for s in SHAPES if s != shape] + [(c, shape) for c in COLORS if c != color]
+        cells = rng.sample(range(1, GRID * GRID + 1), 4)
+        right, twin = cells[:2]
+        items = {right: [color, shape], twin: [color, shape], **dict(zip(cells[2:], map(list, rng.sample(others, 2))))}
+        task = f"Click the {color} {shape}."
+        quoted = task if rng.random() < 0.5 else f"Click the {rng.choice([c for c in COLORS if c != color])} {shape}."
+        skill = rng.choice([f"For '{quoted}' the targets were cell {right}; find them by colour and shape.",
+                            f"'{quoted}': click cell {right}; read colour and shape before each click.",
+                            f"Mistake: cell {twin} was not what '{quoted}' asks for; check colour and shape before "
+                            "clicking.",
+                            f"Avoid cell {twin}: the wrong item for '{quoted}'. Click only an item whose colour and "
+                            "shape match."])
+        prompt = seed.render_prompt(task, [], OBSERVATION, list(ACTIONS), history_window, "vision")
+        image = render({cell - 1: tuple(look) for cell, look in items.items()})
+        think = subgoal({"env": "vision", "items": items}, False, False, f"click {right}")
+        drills.append((vision.ImageText(skills.with_skill(prompt, skill), image),
+                       f"<think>{think}</think><action>click {right}</action>"))
     return drills
 
 
@@ -441,6 +477,7 @@ def build_warm_start(cfg, options, settings, folder):
     env = demonstration_env(cfg, options, cfg.warmup_seed)
     n_episodes = max(64, cfg.warmup_steps)
     act, follow, analyzed = demonstrations(env, n_episodes, cfg.history_window, cfg.warmup_seed, cfg.env)
+    follow += skill_drills(SKILL_DRILLS, cfg.history_window, cfg.warmup_seed) if cfg.env == "vision" else []
     corpus = [p + r for p, r in act[:2000] + follow[:1000]]
     corpus += [skills.analyzer_prompt(t) + c for t, c in analyzed[:1000]]
     screens = cfg.env in VISION_ENVS
