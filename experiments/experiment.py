@@ -274,6 +274,7 @@ def screen_skill_lift(policy, tasks=64):
     import seed
     import skills
     from models import vision
+    from warmup.annotator import vision_annotations
     env, prompts, answers = envs.make_env("vision", "valid_seen", 0), [], []
     for task_seed in range(tasks):
         observation, info = env.reset(task_seed)
@@ -281,9 +282,10 @@ def screen_skill_lift(policy, tasks=64):
         distractor = next(cell + 1 for cell in sorted(env.items) if cell not in env.targets)
         prompt = vision.user_message(seed.render_prompt(task, [], vision.observation_text(observation),
                                                         info["admissible"], 3, "vision"), observation)
-        for skill in (None, f"'{task}': click cell {target}; read colour and shape before each click.",
-                      f"Mistake: cell {distractor} was not what '{task}' asks for; check colour and shape before "
-                      "clicking."):
+        right = vision_annotations({"task": task, "won": True, "targets": [target], "clicked": []})[1][1]
+        wrong = vision_annotations({"task": task, "won": False, "targets": [target], "clicked": [],
+                                    "mistake": {"cell": distractor}})[1][0]
+        for skill in (None, right, wrong):
             prompts.append(prompt if skill is None else vision.same_image(prompt, skills.with_skill(prompt, skill)))
         answers.append((target, distractor))
     responses, _ = seed.sample(policy, [seed.encode_chat(policy.tokenizer, p) for p in prompts], 48, 0.0)

@@ -301,28 +301,33 @@ def annotate(trajectory, gt=None, rng=None):
 
 
 def _vision_annotation(trajectory, gt, rng):
-    """Screenshot click tasks (simulators/vision.py gt): only what the episode's text shows, for a success the
-    target cells, for a failure the cell clicked wrongly or in vain. Not where a missed target was nor what an
-    item looked like: an analyzer that reads the screen no better than the policy could only guess those, and a
-    teacher given a guess pushes towards it (docs/vision.md)."""
+    """Screenshot click tasks (simulators/vision.py gt): vision_annotations' summary and one of its skills."""
+    summary, options = vision_annotations(gt)
+    return summary, rng.choice(options)
+
+
+def vision_annotations(gt):
+    """(summary, the skills the annotator may write) for a screenshot click episode's gt: only what the episode's
+    text shows, for a success the target cells, for a failure the cell clicked wrongly or in vain. Not where a
+    missed target was nor what an item looked like: an analyzer that reads the screen no better than the policy
+    could only guess those, and a teacher given a guess pushes towards it (docs/vision.md)."""
     targets = " then ".join(f"cell {c}" for c in gt["targets"])
     clicks = [f"cell {c}" for c, _ in gt["clicked"]] or ["nothing"]
     if gt["won"]:  # the cells, not their looks: the text shows which clicks made an item disappear, not its colour
-        summary = f"The agent solved '{gt['task']}' by clicking {', '.join(clicks)}."
-        return summary, rng.choice([f"For '{gt['task']}' the targets were {targets}; find them by colour and shape.",
-                                    f"'{gt['task']}': click {targets}; read colour and shape before each click."])
+        return (f"The agent solved '{gt['task']}' by clicking {', '.join(clicks)}.",
+                [f"For '{gt['task']}' the targets were {targets}; find them by colour and shape.",
+                 f"'{gt['task']}': click {targets}; read colour and shape before each click."])
     mistake = gt.get("mistake")
     if mistake:
-        summary = f"The agent failed '{gt['task']}': it clicked cell {mistake['cell']}, a wrong item."
-        return summary, rng.choice([f"Mistake: cell {mistake['cell']} was not what '{gt['task']}' asks for; "
-                                    "check colour and shape before clicking.",
-                                    f"Avoid cell {mistake['cell']}: the wrong item for '{gt['task']}'. Click only "
-                                    "an item whose colour and shape match."])
+        return (f"The agent failed '{gt['task']}': it clicked cell {mistake['cell']}, a wrong item.",
+                [f"Mistake: cell {mistake['cell']} was not what '{gt['task']}' asks for; check colour and shape "
+                 "before clicking.",
+                 f"Avoid cell {mistake['cell']}: the wrong item for '{gt['task']}'. Click only an item whose colour "
+                 "and shape match."])
     what = "invalid actions" if gt.get("invalid_steps") else "empty cells"
-    summary = f"The agent failed '{gt['task']}': it used its steps on {what} ({', '.join(clicks)})."
-    return summary, rng.choice([f"Answer 'click N' with the cell of the item '{gt['task']}' names, not {what}.",
-                                f"Do not waste steps on {what} ({', '.join(clicks)}); find the item the task "
-                                "names and click its cell."])
+    return (f"The agent failed '{gt['task']}': it used its steps on {what} ({', '.join(clicks)}).",
+            [f"Answer 'click N' with the cell of the item '{gt['task']}' names, not {what}.",
+             f"Do not waste steps on {what} ({', '.join(clicks)}); find the item the task names and click its cell."])
 
 
 def _miniwob_annotation(trajectory, gt, rng):

@@ -37,7 +37,7 @@ import skills
 from models import tiny, vision
 from simulators.household import TRANSFORMS, kind_of
 from training.checkpoints import atomic_folder
-from warmup.annotator import annotate, read_jsonl
+from warmup.annotator import annotate, read_jsonl, vision_annotations
 
 WARMUP_VERSION = 8  # bump when the demonstrations or the model change, so stale caches are not reused
 # (5: verl-agent's exact prompt templates; 6: the skill side of the pairs alone, measured, not kept; 7: contrast
@@ -212,12 +212,10 @@ def skill_drills(count, history_window, seed_value=0):
         items = {right: [color, shape], twin: [color, shape], **dict(zip(cells[2:], map(list, rng.sample(others, 2))))}
         task = f"Click the {color} {shape}."
         quoted = task if rng.random() < 0.5 else f"Click the {rng.choice([c for c in COLORS if c != color])} {shape}."
-        skill = rng.choice([f"For '{quoted}' the targets were cell {right}; find them by colour and shape.",
-                            f"'{quoted}': click cell {right}; read colour and shape before each click.",
-                            f"Mistake: cell {twin} was not what '{quoted}' asks for; check colour and shape before "
-                            "clicking.",
-                            f"Avoid cell {twin}: the wrong item for '{quoted}'. Click only an item whose colour and "
-                            "shape match."])
+        won = {"task": quoted, "won": True, "targets": [right], "clicked": [[right, [color, shape]]]}
+        lost = {"task": quoted, "won": False, "targets": [right], "clicked": [[twin, [color, shape]]],
+                "mistake": {"cell": twin}}
+        skill = rng.choice(vision_annotations(won)[1] + vision_annotations(lost)[1])
         prompt = seed.render_prompt(task, [], OBSERVATION, list(ACTIONS), history_window, "vision")
         image = render({cell - 1: tuple(look) for cell, look in items.items()})
         think = subgoal({"env": "vision", "items": items}, False, False, f"click {right}")
