@@ -198,18 +198,64 @@ def test_vision_tower_trains_at_its_share_of_the_learning_rate(tiny_vlm, tiny):
     assert len(text_optimizer.param_groups) == 1
 
 
+# the words of the clicked item's look that each family's instruction names (the rest only the pixels show)
+NAMED_WORDS = {"click-color": (0,), "click-sequence": (0,), "click-shape": (1,), "click-all": (1,),
+               "click-color-shape": (0, 1), "odd-one-out": (0, 1)}
+
+
 def test_vision_demonstrations_name_the_target_right_before_its_cell():
     """The screenshot warm-up's expert responses: "<think> red circle7</think><action>click 7</action>", the
-    look of the item in the clicked cell (the episode's ground truth), its first digit the token after the look."""
-    env, rng, responses = make_env("vision", "train", 0), random.Random(0), 0
-    for task_seed in range(30):
+    look of the item in the clicked cell (the episode's ground truth), its first digit the token after the look;
+    where the instruction names only the colour ("Click the red shape.") or only the shape, only that word."""
+    env, rng, families = make_env("vision", "train", 0), random.Random(0), set()
+    for task_seed in range(40):
         trajectory, examples, _ = warm_start.expert_episode(env, task_seed, 0.2, rng, 3, "vision")
         for _, response in examples:
-            found = re.fullmatch(r"<think> ([a-z]+) ([a-z]+)([0-9]+)</think><action>click ([0-9]+)</action>", response)
-            assert found and found[3] == found[4], response
-            assert trajectory["gt"]["items"][int(found[4])] == [found[1], found[2]], (response, trajectory["gt"])
-            responses += 1
-    assert responses >= 30, responses
+            found = re.fullmatch(r"<think> ([a-z ]+?)([0-9]+)</think><action>click ([0-9]+)</action>", response)
+            assert found and found[2] == found[3], response
+            look = trajectory["gt"]["items"][int(found[3])]
+            assert found[1].split() == [look[i] for i in NAMED_WORDS[trajectory["task_type"]]], (response, look)
+            named_in_task = all(f" {word}" in trajectory["task"] for word in found[1].split())
+            assert named_in_task or trajectory["task_type"] == "odd-one-out", (response, trajectory["task"])
+            families.add(trajectory["task_type"])
+    assert families == set(NAMED_WORDS), families
+
+
+def drill_family(task):
+    """The family of a vision task line (simulators/vision.py's six instruction forms)."""
+    words = task.rstrip(".").split()
+    if "differs" in words:
+        return "odd-one-out"
+    if "then" in words:
+        return "click-sequence"
+    if words[1] == "every":
+        return "click-all"
+    if len(words) == 3:  # "Click the triangle."
+        return "click-shape"
+    return "click-color" if words[3] == "shape" else "click-color-shape"
+
+
+def test_task_drills_answer_every_family_from_the_screen_alone():
+    """warm_start.task_drills: each step of an expert episode on a train task as a short prompt (the task line and
+    that step's screenshot, clicked targets gone) answered like the demonstrations: the clicked cell on that
+    screen holds an item the task asks for, and the think names the words of its look the task names."""
+    from simulators.vision import read_screen
+    families = set()
+    for prompt, response in warm_start.task_drills(150, seed_value=2):
+        found = re.fullmatch(r"<think> ([a-z ]+?)([0-9]+)</think><action>click ([0-9]+)</action>", response)
+        assert found and found[2] == found[3], response
+        screen = {cell + 1: look for cell, look in read_screen(prompt.image).items()}
+        family, look = drill_family(str(prompt)), screen[int(found[3])]
+        assert found[1].split() == [look[i] for i in NAMED_WORDS[family]], (str(prompt), response, look)
+        if family == "odd-one-out":
+            assert list(screen.values()).count(look) == 1, (screen, look)
+        else:  # the named words are the task's
+            assert all(f" {word}" in prompt for word in found[1].split()), (str(prompt), response)
+        if family == "click-sequence":  # its first colour while that item is on the screen, then the second
+            first, second = str(prompt).split()[2], str(prompt).split()[6]
+            assert found[1] == (first if any(c == first for c, _ in screen.values()) else second), (prompt, response)
+        families.add(family)
+    assert families == set(NAMED_WORDS), families
 
 
 def test_hop_probe_answers_one_token_per_cell():
