@@ -201,6 +201,8 @@ def test_vision_tower_trains_at_its_share_of_the_learning_rate(tiny_vlm, tiny):
 # the words of the clicked item's look that each family's instruction names (the rest only the pixels show)
 NAMED_WORDS = {"click-color": (0,), "click-sequence": (0,), "click-shape": (1,), "click-all": (1,),
                "click-color-shape": (0, 1), "odd-one-out": (0, 1)}
+# a screenshot warm-up response: the think's named words and cell, then the click
+VISION_RESPONSE = re.compile(r"<think> ([a-z ]+?)([0-9]+)</think><action>click ([0-9]+)</action>")
 
 
 def test_vision_demonstrations_name_the_target_right_before_its_cell():
@@ -211,7 +213,7 @@ def test_vision_demonstrations_name_the_target_right_before_its_cell():
     for task_seed in range(40):
         trajectory, examples, _ = warm_start.expert_episode(env, task_seed, 0.2, rng, 3, "vision")
         for _, response in examples:
-            found = re.fullmatch(r"<think> ([a-z ]+?)([0-9]+)</think><action>click ([0-9]+)</action>", response)
+            found = VISION_RESPONSE.fullmatch(response)
             assert found and found[2] == found[3], response
             look = trajectory["gt"]["items"][int(found[3])]
             assert found[1].split() == [look[i] for i in NAMED_WORDS[trajectory["task_type"]]], (response, look)
@@ -242,7 +244,7 @@ def test_task_drills_answer_every_family_from_the_screen_alone():
     from simulators.vision import read_screen
     families = set()
     for prompt, response in warm_start.task_drills(150, seed_value=2):
-        found = re.fullmatch(r"<think> ([a-z ]+?)([0-9]+)</think><action>click ([0-9]+)</action>", response)
+        found = VISION_RESPONSE.fullmatch(response)
         assert found and found[2] == found[3], response
         screen = {cell + 1: look for cell, look in read_screen(prompt.image).items()}
         family, look = drill_family(str(prompt)), screen[int(found[3])]
