@@ -1234,6 +1234,25 @@ def test_train_end_to_end_tiny(tmp_path, capsys):
     assert diff == 0.0 and metrics_diff == 0.0, f"the cached warm-up changed the run: {diff}, metrics {metrics_diff}"
 
 
+def test_train_tasks_repeats_the_same_tasks(tiny, tmp_path, monkeypatch):
+    """--train-tasks K: every update draws its tasks from train tasks 0..K-1 (the check that RL can fit a few
+    tasks it sees again, docs/vision.md); without it an update's tasks are fresh draws from a million."""
+    drawn, rollout = [], seed.rollout
+
+    def recording_rollout(policy, env_list, task_seeds, *args, **kwargs):
+        if kwargs.get("desc", "rollout") == "rollout":  # not an evaluation
+            drawn.append(sorted(task_seeds))
+        return rollout(policy, env_list, task_seeds, *args, **kwargs)
+
+    monkeypatch.setattr(seed, "rollout", recording_rollout)
+    flags = ["--model", tiny[1], "--stage", "rl", "--algo", "grpo", "--lr", 1e-3] + TRAIN_FLAGS
+    run_train(*flags, "--updates", 3, "--train-tasks", 2, "--out-dir", tmp_path / "fixed")
+    assert drawn == [[0, 1]] * 3, drawn
+    drawn.clear()
+    run_train(*flags, "--out-dir", tmp_path / "fresh")
+    assert len(drawn) == 2 and drawn[0] != drawn[1] and max(map(max, drawn)) > 1, drawn
+
+
 # ----------------------------------------------------------------------------- bad configs
 
 def test_unknown_env_is_one_clear_error(tmp_path):
@@ -1250,6 +1269,8 @@ def test_unknown_env_is_one_clear_error(tmp_path):
     (["--group-size", "1", "--algo", "grpo"], "--group-size"),
     (["--updates", "0"], "--updates"),
     (["--max-steps", "0"], "--max-steps"),
+    (["--train-tasks", "4", "--tasks-per-update", "8"], "--train-tasks"),
+    (["--train-tasks", "-1"], "--train-tasks"),
 ])
 def test_bad_sizes_are_clean_argparse_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -77,6 +77,7 @@ def get_config(argv=None, check=True):
     add("--updates", 5, "RL policy updates (paper: 150)")
     add("--tasks-per-update", 8, "N tasks per update (paper: 16)")
     add("--group-size", 4, "G rollouts per task, the GRPO group (paper: 8)")
+    add("--train-tasks", 0, "draw tasks from train tasks 0..K-1 (0: fresh ones every update)")
     add("--max-steps", envs.DEFAULT_MAX_STEPS.get(known.env, 20), "env steps per episode")
     add("--history-window", 3, "past (observation, action) pairs shown (paper: 5)")
     add("--temperature", 1.0, "sampling and re-scoring temperature")
@@ -237,7 +238,7 @@ def main(cfg):
         # ---- rollout: N tasks x G rollouts with the ordinary prompt and the pre-update weights;
         # the tasks come from a generator of (seed, update), so a resumed run samples the same ones
         stream = cfg.seed * 1_000_003 + update
-        task_seeds = random.Random(stream).sample(range(10 ** 6), cfg.tasks_per_update)
+        task_seeds = random.Random(stream).sample(range(cfg.train_tasks or 10 ** 6), cfg.tasks_per_update)
         generator = distributed.rank_generator(stream, rank, world, policy.device)
         trajectories = seed.rollout(policy, train_envs, task_seeds[rank * share:(rank + 1) * share],
                                     cfg.group_size, cfg.max_steps, cfg.max_new_tokens,

@@ -12,7 +12,8 @@ AT_LEAST_ONE = ("updates", "tasks_per_update", "group_size", "max_new_tokens", "
                 "max_steps", "mini_batches")
 AT_LEAST = {"history_window": 0, "sft_steps": 0, "sft_batch_size": 1, "warmup_steps": 0, "analysis_prompt_tokens": 1,
             "analysis_temperature": 0, "eval_temperature": 0, "weight_decay": 0, "kl_coef": 0, "entropy_coef": 0,
-            "invalid_penalty": 0, "clip_low": 0, "clip_high": 0, "env_timeout": 0, "distill_coef": 0}
+            "invalid_penalty": 0, "clip_low": 0, "clip_high": 0, "env_timeout": 0, "distill_coef": 0,
+            "train_tasks": 0}
 ABOVE_ZERO = {"temperature": "the update re-scores the samples at this temperature", "grad_clip": "",
               "gate_beta": "", "sft_lr": "", "lr": ""}
 
@@ -31,6 +32,8 @@ def check_config(cfg, error):
     world = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
     if cfg.tasks_per_update % world:
         error(f"--tasks-per-update {cfg.tasks_per_update} must divide by the {world} torchrun processes")
+    if 0 < cfg.train_tasks < cfg.tasks_per_update:  # an update samples its tasks without repeats
+        error(f"--train-tasks {cfg.train_tasks} must be 0 or at least --tasks-per-update ({cfg.tasks_per_update})")
     for name, value in vars(cfg).items():
         if isinstance(value, float) and not math.isfinite(value):
             error(f"{flag(name)} must be a finite number, got {value}")
