@@ -11,6 +11,7 @@ distillation signal.
                                                                         # (a vision model: skills right about pixels)
     python experiments/experiment.py --mechanism MODEL_DIR               # SEED vs GRPO updates on all-failed groups
     python experiments/experiment.py --evaluate DIR [DIR ...]            # sampled evaluation of finished models
+    python experiments/experiment.py --evaluate DIR --eval-temperature 0 --eval-tasks 1440 -- --env vision
 
 Every run starts from the same cached warm-start (train.py --warmup-seed), gets the same episode budget
 (--updates x --tasks-per-update x --group-size) and is evaluated every --eval-every updates on valid_seen
@@ -397,13 +398,14 @@ def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4
     return found
 
 
-def evaluate_models(folders, temperature=0.4, tasks=96):
+def evaluate_models(folders, temperature=0.4, tasks=96, extra=()):
     """A second reading of finished runs: each model folder (a warm-start or a checkpoint) evaluated with
-    train.evaluate at `temperature` on `tasks` household tasks per split. Prints and returns one dict each."""
+    train.evaluate at `temperature` on `tasks` tasks per split of the env that `extra` (train.py flags, e.g.
+    ["--env", "vision"]) names, household by default. Prints and returns one dict each."""
     import envs
     import train
     from models.policy import load_policy
-    cfg = train.get_config(["--eval-temperature", str(temperature), "--eval-tasks", str(tasks)], check=False)
+    cfg = train.get_config(["--eval-temperature", str(temperature), "--eval-tasks", str(tasks), *extra], check=False)
     options = envs.env_options(cfg.env, cfg.max_steps)
     found = []
     for folder in folders:
@@ -540,7 +542,7 @@ def main(argv=None):
         from models.vision import is_vlm
         return screen_skill_probes(args.probes) if is_vlm(args.probes) else probes(args.probes)
     if args.evaluate:
-        return evaluate_models(args.evaluate, args.eval_temperature, args.eval_tasks)
+        return evaluate_models(args.evaluate, args.eval_temperature, args.eval_tasks, extra)
     if args.mechanism:
         return mechanism(args.mechanism, seed_value=args.seeds[0])
     if args.smoke:

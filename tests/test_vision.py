@@ -465,3 +465,18 @@ def test_seed_update_with_the_tiny_vlm_on_miniwob(tiny_vlm, tmp_path):
     trajectories, rows, teacher, metrics, skipped = seed_update(policy, env_list, [3], "miniwob", 2)
     assert skipped is None and math.isfinite(metrics["grad_norm"]), (skipped, metrics)
     assert rows["prompts"][0].grid_thw.tolist() == [1, 16, 12]  # 210x160 -> 224x168: 8x6 merged tokens
+
+
+def test_evaluate_models_plays_the_env_named_after_the_dashes(tiny_vlm, monkeypatch):
+    """experiment.py --evaluate DIR -- --env vision: a finished vision model is evaluated on screens, not on the
+    household default (docs/vision.md's 1,440-task reading)."""
+    import envs
+    from experiments import experiment
+    import models.policy
+    made, make = [], envs.make_env
+    monkeypatch.setattr(envs, "make_env", lambda name, *args, **kwargs: made.append(name) or make(name, *args,
+                                                                                                   **kwargs))
+    monkeypatch.setattr(models.policy, "load_policy", lambda *args, **kwargs: tiny_vlm)
+    rows = experiment.evaluate_models(["a tiny VLM"], temperature=0.0, tasks=2, extra=["--env", "vision"])
+    assert made == ["vision"] * 4, made
+    assert rows[0]["tasks"] == 2 and all(0.0 <= rows[0][split] <= 1.0 for split in ("valid_seen", "valid_unseen"))
