@@ -2,9 +2,10 @@
 
 Sampled tokens are re-scored under a teacher context h^ (the prompt plus a skill the policy wrote
 about its episode) and the ordinary h: delta_t = log pi_old(y_t | h^) - log pi_old(y_t | h). Pure
-functions, no import but torch: paste this file into verl or TRL. The paper publishes no loss code;
-A_t = A_grpo + 1e-3 * delta_t and PPO's settings follow its predecessor OPID and verl. mask is 1
-exactly on sampled tokens; what sits off it (padding, NaN, inf) is removed with torch.where first.
+functions, no import but torch: paste this file into verl or TRL. The default is the paper's
+objective per a third party's reading (REFERENCE 1b; no author code is public), a gated OPD loss
+beside GRPO, 0.01 * mean(g * (logp_teacher - logp)), g = sigmoid(5 delta); OPID's A_t = A_grpo +
+1e-3 delta_t is distill_mode="advantage". mask is 1 exactly on sampled tokens; off it is removed.
 """
 import torch
 
@@ -63,27 +64,26 @@ def seed_delta(teacher_logp, old_logp, mask):
 
 
 def seed_loss(logp, old_logp, advantages, mask, *, teacher_logp=None, ref_logp=None, entropy=None,
-              distill_coef=1e-3, distill_mode="advantage", gate_beta=5.0, kl_coef=0.0,
+              distill_coef=0.01, distill_mode="gated", gate_beta=5.0, kl_coef=0.0,
               entropy_coef=0.0, clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="token-mean",
               teacher_mask=None, token_weights=None):
     """PPO-clip on SEED-shaped advantages + distillation, k3 KL, entropy -> (loss, metrics).
     logp (..., T) log pi_theta(y_t | h) with gradient (and entropy); old_logp, teacher_logp (under
     h^), ref_logp and mask share its shape; advantages per token (..., T) or row (...) / (..., 1).
-    teacher_mask (default mask) is 0 on rows whose analysis did not parse; token_weights multiply
-    the per-token policy loss (verl's rollout importance weights). distill_mode:
-      "advantage": A_t + distill_coef * delta_t inside PPO (SEED, OPID);
-      "loss":      auxiliary -distill_coef * delta_t * logp_t (OPID's option);
-      "gated":     distill_coef * g_t * (teacher_logp_t - logp_t), g_t = sigmoid(gate_beta delta_t).
+    teacher_mask (default mask): 0 on rows whose analysis did not parse; token_weights multiply
+    the per-token policy loss (verl's rollout importance weights). distill_mode "gated": the paper's
+    OPD loss distill_coef * g_t * (teacher_logp_t - logp_t), g_t = sigmoid(gate_beta delta_t);
+    "advantage": A_t + distill_coef * delta_t (OPID); "loss": -distill_coef * delta_t * logp_t.
     PPO: ratio exp(logp - old_logp) clipped to [1 - clip_low, 1 + clip_high], a negative advantage's
     loss capped at -A * dual_clip (None: no cap); KL: k3 of ref - logp. metrics: Python floats.
     >>> logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], requires_grad=True)
     >>> mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     >>> loss, metrics = seed_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), mask,
     ...                           teacher_logp=logp.detach() + 1.0)  # every token likelier
-    >>> loss.backward()  # ratio 1: gradient -(A + 1e-3 * delta) / 3 tokens
+    >>> loss.backward()  # ratio 1: gradient -(A + 0.01 * sigmoid(5 * delta)) / 3 tokens
     >>> round(loss.item(), 4), metrics["delta_mean"], logp.grad
-    (-0.3343, 1.0, tensor([[-0.3337, -0.3337,  0.0000],
-            [ 0.3330,  0.0000,  0.0000]]))
+    (-0.3234, 1.0, tensor([[-0.3366, -0.3366,  0.0000],
+            [ 0.3300,  0.0000,  0.0000]]))
     """
     if distill_mode not in ("advantage", "loss", "gated"):
         raise ValueError(f"unknown distill_mode {distill_mode!r}")

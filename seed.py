@@ -1,29 +1,27 @@
-"""seed.py: the SEED method, top to bottom -- sample, roll out, self-analyze, re-score, update.
-
-One RL update of SEED (train.py calls these functions in this order):
-  1. rollout   N tasks x G rollouts with the ORDINARY prompt, live envs batched into one `sample`;
-               the sampler records each response token, its log-prob and its mask (1 = sampled);
-  2. analyze   the SAME weights read each finished trajectory (skills.analyzer_prompt) and write
-               one hindsight skill; an output that does not parse gives that trajectory no teacher;
-  3. re-score  `step_rows` makes one row per env step; `rescore` scores the SAME response tokens
-               under the teacher prompt (skills.with_skill: the skill after the task line) and, with
-               a KL term, under the reference model;
-  4. advantage GRPO over each task's G episode scores, broadcast to every step of a trajectory;
-  5. update    `ppo_update`: PPO-clip with A_t = A_grpo + lambda * delta_t (loss.seed_loss), where
-               delta_t = log pi(y_t | teacher prompt) - log pi(y_t | prompt), in micro-batches.
-
-Layout convention: every per-token tensor is response-aligned, (B, R) with R the longest response of
-the batch, and `mask` is 1 exactly on policy-sampled tokens. The mask is made by the sampler;
-prompts, observations and skill text never enter these tensors, so student and teacher rows align
-token for token. The forward passes that score tokens are models/scoring.py.
-
-Harness as verl-agent's: its prompt templates, the invalid-format penalty on the invalid step's own
-row, GRPO statistics over the group's step rows. Departures from the paper: one PPO epoch split into
-verl-style mini-batches; `step_advantages` can also scale by one std over the whole update (the tiny
-preset's `--advantage-norm batch`) or take the statistics over episodes (`--grpo-stats
-trajectories`); the update's forward runs with dropout off, as sampling and re-scoring do.
+"""seed.py: the SEED method, top to bottom -- records, sample, roll out, self-analyze, re-score,
+update, and the paper's stage 1. One RL update (train.py calls these in this order):
+  1. rollout   N tasks x G rollouts with the ORDINARY prompt, live envs batched into one `sample`,
+               which records each response token, its log-prob and its mask (1 = sampled);
+  2. analyze   the SAME weights write one hindsight skill per finished trajectory; an output
+               that does not parse gives that trajectory no teacher;
+  3. re-score  one row per env step (`step_rows`); `rescore` scores the SAME response tokens under
+               the teacher prompt (skills.with_skill) and, with a KL term, the reference model;
+  4. advantage GRPO over each task's group, broadcast to the trajectory's step rows;
+  5. update    `ppo_update`: PPO-clip plus loss.seed_loss's distillation term, in micro-batches.
+Stage 1 (any model): skills.hindsight_examples pairs trajectories with an annotator's skills;
+`stage1_sft` trains the analyzer on them. Every per-token tensor is response-aligned, (B, R), and
+`mask` is 1 exactly on sampled tokens (made by the sampler), so student and teacher rows align
+token for token; the forward passes are models/scoring.py. Harness as verl-agent's (each env's
+template, the format penalty on its own row, GRPO statistics over step rows). Departures from the
+paper: one PPO epoch in verl-style mini-batches; `step_advantages` can scale by one std over the
+update (the tiny preset) or take episode statistics; the update's forward runs without dropout.
 Command: see train.py.
 """
+import collections
+import dataclasses
+import math
+import random
+
 import torch
 from tqdm.auto import tqdm
 
@@ -31,93 +29,67 @@ import envs
 import loss as L
 import skills
 from models import vision
+from models.policy import parameter_groups
 from models.scoring import (dropout_free, forward_logprobs, left_pad, micro_batches,
-                            response_logprobs, response_mask)
-
-# -------------------------------------------------------------------------- prompts and actions
-
-# verl-agent's templates (agent_system/environments/prompts), spelling and spacing included: a
-# no-history one for step 1 (and for history_window 0), one with the last k (observation, action)
-INSTRUCTION = ("Now it's your turn to take an action.\nYou should first reason step-by-step about "
-               "the current situation. This reasoning process MUST be enclosed within <think> "
-               "</think> tags. \nOnce you've finished your reasoning, you should choose an "
-               "admissible action for current step and present it within <action> </action> "
-               "tags.\n")
-ALFWORLD = "You are an expert agent operating in the ALFRED Embodied Environment."
-SCREEN = "You are an expert agent operating a web page from its screenshot."  # ours
-HISTORY = ("Prior to this step, you have already taken {count} step(s). Below are the most recent "
-           "{shown} observaitons and the corresponding actions you took: {records}\n"  # (sic)
-           "You are now at step {now} and your current observation is: {observation}")
-WEBSHOP = ("\nYou are an expert autonomous agent operating in the WebShop e\u2011commerce "
-           "environment.{space}\nYour task is to: {task}.\n{state}.\nYour admissible actions "
-           "of the current situation are: \n[\n{actions}\n].\n\nNow it's your turn to take one "
-           "action for the current step.\nYou should first reason step-by-step about the current "
-           "situation, then think carefully which admissible action best advances the shopping "
-           "goal. This reasoning process MUST be enclosed within <think> </think> tags. \nOnce "
-           "you've finished your reasoning, you should choose an admissible action for current "
-           "step and present it within <action> </action> tags.\n")
+                            padded_logprobs, response_logprobs, response_mask)
 
 
-def render_prompt(task, history, observation, admissible, history_window=5, env_name="household"):
-    """The user message for one step in verl-agent's format: ALFWorld's template (household,
-    alfworld; the task is in the first observation), WebShop's (webshop), or for the screenshot envs
-    ALFWorld's with their own header and the task on every step. history: (observation, action)."""
-    recent = history[-history_window:] if history_window > 0 else []
-    start = len(history) - len(recent)
-    records = "\n".join(f"[Observation {start + i + 1}: '{o}', Action {start + i + 1}: '{a}']"
-                        for i, (o, a) in enumerate(recent))
-    past = HISTORY.format(count=len(history), shown=len(recent), records=records,
-                          now=len(history) + 1, observation=observation)
-    if env_name == "webshop":
-        webshop_past = past.replace("observaitons", "observations")  # WebShop's template spells it
-        state = webshop_past if recent else f"Your current observation is: {observation}"
-        actions = "\n".join(f"'{a}'," for a in admissible)
-        return WEBSHOP.format(space="" if recent else " ", task=task, state=state,
-                              actions=actions)
-    head = ALFWORLD if env_name in ("household", "alfworld") else SCREEN
-    if head == SCREEN or recent:  # the screenshot envs' observation never states the task
-        head += f" Your task is to: {task}"
-    state = past if recent else f"Your current observation is: {observation}"
-    actions = "\n ".join(f"'{a}'" for a in admissible if a != "help")
-    return (f"\n{head}\n{state}\nYour admissible actions of the current situation are: "
-            f"[{actions}].\n\n{INSTRUCTION}")
+# ------------------------------------------------------------------------------------ records
+
+@dataclasses.dataclass
+class Step:
+    """One env step as the policy took it; reward is the env's minus this step's format penalty."""
+    observation: str             # the text the policy saw
+    response: str                # the sampled text
+    action: str                  # what the env received ("" when the response had no action)
+    reward: float = 0.0
+    penalty: float = 0.0         # the invalid-format penalty of this step (verl-agent)
+    valid: bool = True           # the env accepted the command and the response had one
+    prompt: str = ""             # the user message (a vision.ImageText for a screenshot env)
+    prompt_ids: list = None      # the ids the sampler was given
+    response_ids: list = None    # the ids it sampled, and their log-probs at its temperature
+    sampled_logp: list = None
+    truncated: bool = False      # the prompt was cut to --max-prompt-tokens (task line gone)
 
 
-def response_is_valid(response):
-    """verl-agent's rule for a step without the invalid-format penalty: a <think>...</think> and an
-    <action>...</action> pair, and no Chinese characters."""
-    think = response.find("<think>")
-    has_think = think >= 0 and response.find("</think>", think) >= 0
-    return (has_think and skills.action_bounds(response) is not None
-            and not any("\u4e00" <= ch <= "\u9fff" for ch in response))
+@dataclasses.dataclass
+class Trajectory:
+    """One episode: reward is its outcome (penalties apart), group its task's index in the update
+    (the GRPO group), gt the env's ground truth at the end, dropped why its env failed (if so)."""
+    task: str = ""
+    task_type: str = None
+    won: bool = False
+    reward: float = 0.0
+    steps: list = dataclasses.field(default_factory=list)
+    gt: dict = None
+    group: int = 0
+    seed: int = 0
+    dropped: str = None
 
 
-def parse_action(response):
-    """The text inside the first <action>...</action>, stripped; None when there is no such pair."""
-    bounds = skills.action_bounds(response)
-    if bounds is None:
-        return None
-    return response[bounds[0] + len("<action>"):bounds[1] - len("</action>")].strip()
+# an update's training rows, one per env step, as parallel lists (teacher_prompts: text, None where
+# the trajectory has no teacher; trajectory: its index)
+Rows = collections.namedtuple("Rows", "prompts responses sampled_logp teacher_prompts trajectory")
 
+
+# ----------------------------------------------------------------------------------- sampling
 
 def encode_chat(tokenizer, user_text):
-    """Token ids of one user turn plus the assistant header, through the model's own chat template.
-    A message with a screenshot (models.vision.ImageText) gives ids carrying the pixels (ImageIds)."""
+    """Token ids of one user turn plus the assistant header, through the model's chat template.
+    A message with a screenshot (models.vision.ImageText) gives ids carrying the pixels."""
     if getattr(user_text, "image", None) is not None:
         return vision.encode_image_chat(tokenizer, user_text)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
+                                         tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# ------------------------------------------------------------------------------------- sampling
-
 @torch.no_grad()
-def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc=None, generator=None):
-    """One response per prompt (list of id lists); temperature 0 is greedy. Returns (responses,
-    logps): per row the sampled ids up to and including the first stop token, and the log-prob of
-    each under softmax(logits / temperature) (greedy: temperature 1). `generator` (on the model's
-    device) keeps evaluation from consuming the training RNG."""
+def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc=None,
+           generator=None):
+    """One response per prompt (id lists); temperature 0 is greedy. Returns (responses, logps): the
+    sampled ids up to and including the first stop token, and each one's log-prob under
+    softmax(logits / temperature). `generator` keeps evaluation off the training RNG."""
     responses, logps = [None] * len(prompts), [None] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
     model, device = policy.model, policy.device
@@ -127,12 +99,12 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
     banned = torch.tensor(policy.banned_ids, dtype=torch.long, device=device)
     bar = tqdm(total=len(prompts), desc=desc, leave=False, disable=desc is None)
     for first in range(0, len(order), batch_size):
-        rows = order[first:first + batch_size]
-        ids, attention, positions = left_pad([prompts[i] for i in rows], policy.pad_id, device)
-        images = vision.image_inputs(model, [prompts[i] for i in rows], ids, attention)  # {}: text
-        positions = images.pop("position_ids", positions)              # (B, P) or M-RoPE (3, B, P)
+        batch = order[first:first + batch_size]
+        ids, attention, positions = left_pad([prompts[i] for i in batch], policy.pad_id, device)
+        images = vision.image_inputs(model, [prompts[i] for i in batch], ids, attention)  # {}: text
+        positions = images.pop("position_ids", positions)          # (B, P) or M-RoPE (3, B, P)
         cache, step_input, step_positions = None, ids, positions
-        alive = torch.ones(len(rows), dtype=torch.bool, device=device)  # (b,)
+        alive = torch.ones(len(batch), dtype=torch.bool, device=device)  # (b,)
         tokens, token_logps, token_alive = [], [], []
         for _ in range(max_new_tokens):
             out = model(input_ids=step_input, attention_mask=attention, position_ids=step_positions,
@@ -143,8 +115,10 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
             logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
             # banned ids (a VLM's vision tokens) are never drawn; recorded log-probs are the model's
             allowed = logprobs.index_fill(-1, banned, float("-inf")) if len(banned) else logprobs
-            token = (torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(-1) if temperature > 0
-                     else allowed.argmax(-1))                           # (b,)
+            if temperature > 0:
+                token = torch.multinomial(allowed.exp(), 1, generator=generator).squeeze(-1)  # (b,)
+            else:
+                token = allowed.argmax(-1)                                  # (b,)
             token = torch.where(alive, token, torch.full_like(token, policy.pad_id))
             tokens.append(token)
             token_logps.append(logprobs.gather(-1, token[:, None]).squeeze(-1))
@@ -157,46 +131,42 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         tokens, token_logps, token_alive = (torch.stack(x, 1).cpu()        # (b, r) each
                                             for x in (tokens, token_logps, token_alive))
-        for j, i in enumerate(rows):
+        for j, i in enumerate(batch):
             n = int(token_alive[j].sum())
             responses[i], logps[i] = tokens[j, :n].tolist(), token_logps[j, :n].tolist()
-        bar.update(len(rows))
+        bar.update(len(batch))
     bar.close()
     model.train(was_training)
     return responses, logps
 
 
-# ------------------------------------------------------------------------ rollouts and analysis
+# ---------------------------------------------------------------------- rollouts and analysis
 
-def rollout(policy, env_list, task_seeds, group_size, max_steps, max_new_tokens=64, temperature=1.0,
-            history_window=5, invalid_penalty=0.1, max_prompt_tokens=2048, batch_size=64,
-            env_name="household", desc="rollout", generator=None, env_factory=None,
-            env_timeout=None):
-    """Play len(task_seeds) tasks x group_size rollouts together; env_list holds one env per
-    rollout. Returns trajectories: {task, task_type, won, reward, steps, gt, group (task index),
-    seed}, each step {observation, response, action, reward, valid, prompt, prompt_ids,
-    response_ids, sampled_logp, truncated}. An env that raises or hangs (envs.call_env) ends its
-    trajectory with 'dropped' = the reason (callers leave those out) and is replaced by
-    env_factory(index)."""
+def rollout(policy, env_list, task_seeds, group_size, max_steps, template, max_new_tokens=64,
+            temperature=1.0, history_window=5, invalid_penalty=0.1, max_prompt_tokens=2048,
+            batch_size=64, desc="rollout", generator=None, env_factory=None, env_timeout=None,
+            skill_per_rollout=None):
+    """len(task_seeds) tasks x group_size rollouts played together (one env of env_list each) ->
+    Trajectory records. An env that raises or hangs ends its trajectory with `dropped` = why
+    (callers leave those out) and is replaced by env_factory(index). skill_per_rollout: a skill (or
+    None) in each rollout's prompts, as in the teacher context (the self-analysis probe's play)."""
     assert len(env_list) >= len(task_seeds) * group_size, "need one env per rollout"
-    trajectories, live = [], []
+    trajectories, live, tags = [], [], template.get("tags", ("action",))
     for task_index, task_seed in enumerate(task_seeds):
         for _ in range(group_size):
             index = len(trajectories)
-            trajectory = {"task": "", "task_type": None, "won": False, "reward": 0.0, "steps": [],
-                          "gt": None, "group": task_index, "seed": task_seed}
+            trajectory = Trajectory(group=task_index, seed=task_seed)
             trajectories.append(trajectory)
             live.append(None)
             try:
                 observation, info = envs.call_env(env_list[index].reset, task_seed, env_timeout)
             except envs.EnvFailure as failure:
-                trajectory["dropped"] = str(failure)
+                trajectory.dropped = str(failure)
                 envs.restart_env(env_list, index, env_factory, env_timeout)
                 continue
-            trajectory.update(task=info["task"], task_type=info.get("task_type"))
+            trajectory.task, trajectory.task_type = info["task"], info.get("task_type")
             live[-1] = {"env": env_list[index], "index": index, "obs": observation, "info": info,
                         "history": []}
-    truncated = 0
     bar = tqdm(total=max_steps, desc=desc, leave=False)
     for _ in range(max_steps):
         active = [i for i, state in enumerate(live) if state is not None]
@@ -205,165 +175,207 @@ def rollout(policy, env_list, task_seeds, group_size, max_steps, max_new_tokens=
         prompts, prompt_ids, cut = [], [], []
         for i in active:
             state = live[i]
-            text = render_prompt(trajectories[i]["task"], state["history"],
+            text = skills.render_prompt(template, trajectories[i].task, state["history"],
                                  vision.observation_text(state["obs"]),
-                                 state["info"].get("admissible", []), history_window, env_name)
-            text = vision.user_message(text, state["obs"])  # the screenshot rides along, if any
+                                 state["info"].get("admissible", []), history_window)
+            if skill_per_rollout and skill_per_rollout[i]:
+                text = skills.with_skill(text, skill_per_rollout[i])
+            if policy.sees_images:  # the screenshot rides along, if there is one
+                text = vision.user_message(text, state["obs"])
             ids = encode_chat(policy.tokenizer, text)
             # over the budget keep the end (observation, instruction); an image prompt is never cut
             cut.append(len(ids) > max_prompt_tokens and not vision.has_images([ids]))
-            if cut[-1]:
-                ids, truncated = ids[-max_prompt_tokens:], truncated + 1
             prompts.append(text)
-            prompt_ids.append(ids)
+            prompt_ids.append(ids[-max_prompt_tokens:] if cut[-1] else ids)
         responses, logps = sample(policy, prompt_ids, max_new_tokens, temperature, batch_size,
                                   generator=generator)
-        sampled = zip(active, prompts, prompt_ids, responses, logps, cut)
-        for i, text, ids, response, logp, was_cut in sampled:
+        for i, text, ids, response, logp, was_cut in zip(active, prompts, prompt_ids, responses,
+                                                          logps, cut):
             state, trajectory = live[i], trajectories[i]
             response_text = policy.tokenizer.decode(response, skip_special_tokens=True)
-            action = parse_action(response_text)
+            action = skills.parse_action(response_text, tags)
             try:
                 observation, reward, done, info = envs.step_env(state["env"], action or "",
                                                                 env_timeout)
             except envs.EnvFailure as failure:
-                trajectory["dropped"], live[i] = str(failure), None
+                trajectory.dropped, live[i] = str(failure), None
                 envs.restart_env(env_list, state["index"], env_factory, env_timeout)
                 continue
-            penalty = 0.0 if response_is_valid(response_text) else invalid_penalty  # on this step
+            valid = skills.response_is_valid(response_text, tags)
+            penalty = 0.0 if valid else invalid_penalty  # on this step's own row
             observed = vision.observation_text(state["obs"])
-            trajectory["steps"].append({"observation": observed, "response": response_text,
-                                        "action": action or "", "reward": float(reward) - penalty,
-                                        "penalty": penalty, "valid": bool(info.get("valid", True))
-                                        and action is not None,
-                                        "prompt": text, "prompt_ids": ids, "response_ids": response,
-                                        "sampled_logp": logp, "truncated": was_cut})
-            trajectory["reward"] += float(reward)  # the episode's outcome, penalties apart
+            trajectory.steps.append(Step(
+                observation=observed, response=response_text, action=action or "",
+                reward=float(reward) - penalty, penalty=penalty, prompt=text, prompt_ids=ids,
+                valid=bool(info.get("valid", True)) and action is not None,
+                response_ids=response, sampled_logp=logp, truncated=was_cut))
+            trajectory.reward += float(reward)  # the episode's outcome, penalties apart
             state["history"].append((observed, action or ""))
             state["obs"], state["info"] = observation, info
-            if done or len(trajectory["steps"]) >= max_steps:
-                trajectory["won"], trajectory["gt"] = bool(info.get("won", False)), info.get("gt")
+            if done or len(trajectory.steps) >= max_steps:
+                trajectory.won, trajectory.gt = bool(info.get("won", False)), info.get("gt")
                 live[i] = None
         bar.update(1)
     bar.close()
-    for trajectory in trajectories:
-        trajectory["truncated_prompts"] = truncated
     return trajectories
 
 
 def analyze(policy, trajectories, max_prompt_tokens=1024, max_new_tokens=128, temperature=0.0,
             batch_size=32, desc="analyze"):
-    """The current policy writes one hindsight skill per finished trajectory. Returns (skills,
+    """The policy writes one hindsight skill per finished trajectory. Returns (skills,
     raw_outputs); a skill is None where the output could not be parsed."""
-    count = lambda text: len(policy.tokenizer(text, add_special_tokens=False)["input_ids"])
-    prompts = [encode_chat(policy.tokenizer, skills.analyzer_prompt(t, max_prompt_tokens, count))
+    prompts = [encode_chat(policy.tokenizer, skills.analyzer_prompt(t, max_prompt_tokens,
+                                                                    policy.count_tokens))
                for t in trajectories]
     outputs, _ = sample(policy, prompts, max_new_tokens, temperature, batch_size, desc=desc)
     texts = [policy.tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
-    return [skills.parse_skill(text, task=t["task"]) for text, t in zip(texts, trajectories)], texts
+    return [skills.parse_skill(text, task=t.task) for text, t in zip(texts, trajectories)], texts
 
 
-# ----------------------------------------------------------------------------------- re-scoring
+
+# ------------------------------------------------------------ stage 1: hindsight-skill SFT
+
+def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0,
+                    prompt_weight=0.0, layout="padded"):
+    """One SFT step on (prompt_text, completion_text) pairs: token-mean NLL of the completion plus
+    end-of-turn; prompt_weight > 0 adds that times the LM loss on the prompt (the tiny warm-up's
+    stand-in for pretraining). Returns the completion loss; a non-finite one skips the step."""
+    tokenizer, model = policy.tokenizer, policy.model
+    stop = policy.stop_ids[0] if policy.stop_ids else tokenizer.eos_token_id
+    prompts = [encode_chat(tokenizer, p) for p, _ in examples]
+    completions = [tokenizer(c, add_special_tokens=False)["input_ids"] + [stop]
+                   for _, c in examples]
+    prompt_part = torch.zeros(len(prompts), dtype=torch.long)  # scored tokens of the prompt
+    if prompt_weight > 0:  # score the whole sequence after its first token
+        completions = [p[1:] + c for p, c in zip(prompts, completions)]
+        prompt_part = torch.tensor([len(p) - 1 for p in prompts])
+        prompts = [p[:1] for p in prompts]
+    mask = response_mask(completions)                                                # (B, R)
+    is_prompt = (torch.arange(mask.shape[1])[None] < prompt_part[:, None]).float()  # (B, R)
+    answer = mask * (1 - is_prompt) / (mask * (1 - is_prompt)).sum()                 # (B, R)
+    weights = answer + prompt_weight * is_prompt / is_prompt.sum().clamp(min=1)      # (B, R)
+    value = 0.0
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    for batch in micro_batches(prompts, completions, max_batch_tokens):
+        logp, _ = forward_logprobs(model, [prompts[i] for i in batch],
+                                   [completions[i] for i in batch], policy.pad_id, layout=layout)
+        width = logp.shape[1]
+        (-(logp * weights[batch, :width].to(logp.device)).sum()).backward()     # logp (b, r)
+        value += float(-(logp.detach() * answer[batch, :width].to(logp.device)).sum())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if math.isfinite(value) and torch.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return value
+
+
+def stage1_sft(policy, examples, epochs=3, batch_size=16, lr=1e-5, max_batch_tokens=16384,
+               seed_value=0):
+    """Stage 1: `epochs` passes over (analyzer prompt, skill JSON) examples in shuffled batches,
+    AdamW at `lr`, so the policy can analyze trajectories before RL. Returns the last loss."""
+    optimizer = torch.optim.AdamW(parameter_groups(policy.model, lr), lr=lr, weight_decay=0.0)
+    layout = "padded" if policy.sees_images else "packed"  # packed rows: text models only
+    rng, losses = random.Random(seed_value), []
+    for epoch in range(epochs):
+        order = rng.sample(range(len(examples)), len(examples))
+        batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        losses = [supervised_step(policy, optimizer, [examples[i] for i in batch],
+                                  max_batch_tokens, layout=layout)
+                  for batch in tqdm(batches, desc=f"stage 1, epoch {epoch + 1}", leave=False)]
+    return sum(losses) / max(1, len(losses))
+
+
+# ---------------------------------------------------------------------------------- re-scoring
 
 def step_rows(trajectories, skill_per_trajectory=None):
-    """One training row per step. Returns a dict of lists: prompts (ordinary prompt ids), responses,
-    sampled_logp (recorded while sampling), teacher_prompts (text; None where the trajectory has no
-    skill or the prompt was cut, so its task line is gone), trajectory (index)."""
-    keys = ("prompts", "responses", "sampled_logp", "teacher_prompts", "trajectory")
-    rows = {key: [] for key in keys}
+    """One training row per step (Rows). The teacher prompt is None where the trajectory has no
+    skill or the step's prompt was cut (its task line, where the skill goes, is gone)."""
+    rows = Rows([], [], [], [], [])
     for index, trajectory in enumerate(trajectories):
         skill = skill_per_trajectory[index] if skill_per_trajectory else None
-        for step in trajectory["steps"]:
-            rows["prompts"].append(step["prompt_ids"])
-            rows["responses"].append(step["response_ids"])
-            rows["sampled_logp"].append(step["sampled_logp"])
-            teacher = None  # the skill after the task line; a cut prompt lost that line: no teacher
-            if skill is not None and not step.get("truncated", False):  # same screenshot, if any
-                teacher = skills.with_skill(step["prompt"], skill)
-                teacher = vision.same_image(step["prompt"], teacher)
-            rows["teacher_prompts"].append(teacher)
-            rows["trajectory"].append(index)
+        for step in trajectory.steps:
+            rows.prompts.append(step.prompt_ids)
+            rows.responses.append(step.response_ids)
+            rows.sampled_logp.append(step.sampled_logp)
+            teacher = None  # the skill after the task line; the same screenshot, if any
+            if skill is not None and not step.truncated:
+                teacher = vision.same_image(step.prompt, skills.with_skill(step.prompt, skill))
+            rows.teacher_prompts.append(teacher)
+            rows.trajectory.append(index)
     return rows
 
 
-def rescore(policy, rows, temperature=1.0, layout="padded", max_batch_tokens=16384, reference=None,
-            need_old=True):
+def rescore(policy, rows, temperature=1.0, layout="padded", max_batch_tokens=16384,
+            reference=None, need_old=True):
     """Old (ordinary prompt), teacher (skill prompt) and reference log-probs, (B, R) each, of the
-    rows' response tokens under the current, not yet updated weights, and has_teacher (B,) bool.
-    Teacher rows without a skill hold the old log-probs (delta exactly 0); ref is None without a
-    reference model. need_old=False skips the student pass (old is None): with one PPO mini-batch
-    the update's own forward runs on these same weights, so policy_update takes old = logp.detach()
-    for free; teacher rows without a skill are then zeros, and has_teacher keeps them out of the
-    loss."""
+    rows' response tokens under the not yet updated weights, and has_teacher (B,). Rows without a
+    skill hold the old log-probs (delta 0); ref is None without a reference model. need_old=False
+    skips the student pass (old None; the update's own forward gives it): rows without a skill are
+    then zeros, and has_teacher keeps them out of the loss."""
     score = lambda model, prompts, responses, desc: response_logprobs(
         model, prompts, responses, policy.pad_id, temperature, layout, max_batch_tokens, desc)
-    old = None
-    if need_old:
-        old = score(policy.model, rows["prompts"], rows["responses"], "re-score student")
-    teacher = old.clone() if need_old else response_mask(rows["responses"]) * 0.0  # (B, R)
-    with_skill = [i for i, text in enumerate(rows["teacher_prompts"]) if text is not None]
+    old = score(policy.model, rows.prompts, rows.responses, "student") if need_old else None
+    teacher = old.clone() if need_old else response_mask(rows.responses) * 0.0  # (B, R)
+    with_skill = [i for i, text in enumerate(rows.teacher_prompts) if text is not None]
     if with_skill:
-        prompts = [encode_chat(policy.tokenizer, rows["teacher_prompts"][i]) for i in with_skill]
-        responses = [rows["responses"][i] for i in with_skill]
+        prompts = [encode_chat(policy.tokenizer, rows.teacher_prompts[i]) for i in with_skill]
+        responses = [rows.responses[i] for i in with_skill]
         scored = score(policy.model, prompts, responses, "re-score teacher")  # (b, r)
         teacher[with_skill, :scored.shape[1]] = scored
-    ref = None if reference is None else score(reference, rows["prompts"], rows["responses"],
-                                               "re-score reference")
-    has_teacher = torch.tensor([text is not None for text in rows["teacher_prompts"]])  # (B,)
+    ref = None  # (B, R) under the reference model, for the KL term
+    if reference is not None:
+        ref = score(reference, rows.prompts, rows.responses, "re-score reference")
+    has_teacher = torch.tensor([text is not None for text in rows.teacher_prompts])  # (B,)
     return old, teacher, ref, has_teacher
 
 
-# -------------------------------------------------------------------- advantages and the update
+# ---------------------------------------------------------------- advantages and the update
 
 def step_advantages(trajectories, rows, norm="group", stats="steps"):
-    """GRPO advantage of every step row, (B,). A row's score is its episode's outcome reward minus
-    its own step's invalid-format penalty (verl-agent). stats="steps": a group's (a task's G
-    rollouts) mean and std over all its step rows (verl-agent's compute_mean_std_cross_steps);
-    "trajectories": over its episodes' scores (outcome minus all penalties), broadcast to the rows.
-    norm: "group" divides by the group std (GRPO); "batch" by one std over the update, so a group
-    that only differs by a format penalty keeps advantages near 0; "none": Dr. GRPO."""
-    index = torch.tensor(rows["trajectory"], dtype=torch.long)                  # (B,)
-    penalty = torch.tensor([s.get("penalty", 0.0) for t in trajectories
-                            for s in t["steps"]])                               # (B,)
-    outcome = torch.tensor([t["reward"] for t in trajectories], dtype=torch.float32)  # (N,)
-    groups = torch.tensor([t["group"] for t in trajectories])                  # (N,)
+    """GRPO advantage of every step row, (B,): its episode's outcome minus its own step's format
+    penalty (verl-agent), centred by its group's (a task's G rollouts) mean over all step rows
+    (stats="steps", verl-agent's compute_mean_std_cross_steps) or over episode scores broadcast to
+    the rows ("trajectories"). norm: "group" divides by the group std (GRPO); "batch" by one std
+    over the update, so a group that differs by a format penalty stays near 0; "none": Dr. GRPO."""
+    index = torch.tensor(rows.trajectory, dtype=torch.long)                        # (B,)
+    penalty = torch.tensor([s.penalty for t in trajectories for s in t.steps])     # (B,)
+    outcome = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)  # (N,)
+    groups = torch.tensor([t.group for t in trajectories])                         # (N,)
     if stats == "trajectories":
         episode_penalty = torch.zeros(len(trajectories)).index_add_(0, index, penalty)  # (N,)
-        scores, group_of = outcome - episode_penalty, groups                   # (N,)
+        scores, group_of = outcome - episode_penalty, groups                       # (N,)
     elif stats == "steps":
-        scores, group_of = outcome[index] - penalty, groups[index]             # (B,)
+        scores, group_of = outcome[index] - penalty, groups[index]                 # (B,)
     else:
         raise ValueError(f"stats must be 'steps' or 'trajectories', got {stats!r}")
     centered = L.grpo_advantages(scores, group_of, norm_std=norm == "group")
     if norm == "batch" and centered.numel() > 1:
         centered = centered / (centered.std() + 1e-6)
-    return centered[index] if stats == "trajectories" else centered            # (B,)
+    return centered[index] if stats == "trajectories" else centered                # (B,)
 
 
 def skip_reason(prompts, advantages, *logps):
     """Why an update must not run (no rows; NaN/inf in an advantage or a re-scored log-prob, which
-    would reach the weights), or None. Past the inputs, policy_update skips on a non-finite loss or
-    gradient."""
+    would reach the weights), or None; policy_update also skips a non-finite loss or gradient."""
     if not prompts:
         return "no rows to train on (every trajectory was dropped)"
     names = ("advantages", "old log-probs", "teacher log-probs", "reference log-probs")
     for name, value in zip(names, (advantages, *logps)):
         if value is not None and not torch.isfinite(value).all():
-            rows = (~torch.isfinite(value)).reshape(len(value), -1).any(-1).sum()
-            return f"non-finite {name} in {int(rows)} of {len(value)} rows"
+            bad = (~torch.isfinite(value)).reshape(len(value), -1).any(-1).sum()
+            return f"non-finite {name} in {int(bad)} of {len(value)} rows"
     return None
 
 
 def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, teacher_logp=None,
                   ref_logp=None, has_teacher=None, loss_kwargs=None, temperature=1.0,
                   layout="padded", max_batch_tokens=16384, grad_clip=1.0, desc="update", sync=None):
-    """One optimizer step over all rows with gradient accumulation. advantages (B,) per row; old,
-    teacher and ref log-probs (B, R) response-aligned (old None: this forward's own detached
-    log-probs, exact on unchanged weights); has_teacher (B,) marks the rows whose trajectory got a
-    skill. Micro-batch losses are weighted so they sum to the full-batch loss (token-mean: by share
-    of tokens; seq-mean-*: of rows). sync (torchrun, training/distributed.py): normalises by every
-    rank's tokens and sums gradients and metrics over ranks before the step. Returns (metrics,
-    skipped reason or None)."""
+    """One optimizer step over all rows with gradient accumulation. advantages (B,); old, teacher,
+    ref log-probs (B, R) (old None: this forward's own detached ones, exact on unchanged weights);
+    has_teacher (B,): rows whose trajectory got a skill. Micro-batch losses are weighted to sum to
+    the full-batch loss. sync (torchrun): normalises by every rank's tokens and sums gradients and
+    metrics over ranks. Returns (metrics, skipped reason or None)."""
     loss_kwargs = dict(loss_kwargs or {})
     model, device = policy.model, policy.device
     model.train()
@@ -375,21 +387,22 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
     optimizer.zero_grad(set_to_none=True)
     batches = [] if skipped else micro_batches(prompts, responses, max_batch_tokens)
     with dropout_free(model):  # the update's log-probs equal the eval-mode ones of re-scoring
-        for rows in tqdm(batches, desc=desc, leave=False):
-            width = max(1, max(len(responses[i]) for i in rows))
-            pick = lambda x: None if x is None else x[rows, :width].to(device)
-            micro_mask = mask[rows, :width].to(device)                       # (b, r)
+        for batch in tqdm(batches, desc=desc, leave=False):
+            width = max(1, max(len(responses[i]) for i in batch))
+            pick = lambda x: None if x is None else x[batch, :width].to(device)
+            micro_mask = mask[batch, :width].to(device)                      # (b, r)
             weight = count(micro_mask) / total.clamp(min=1)
             logp, entropy = forward_logprobs(  # (b, r) each
-                model, [prompts[i] for i in rows], [responses[i] for i in rows], policy.pad_id,
+                model, [prompts[i] for i in batch], [responses[i] for i in batch], policy.pad_id,
                 temperature, layout, entropy=bool(loss_kwargs.get("entropy_coef", 0)))
             taught = None  # (b, r): 1 on the tokens of rows whose trajectory got a skill
             if has_teacher is not None:
-                taught = micro_mask * has_teacher[rows].to(device)[:, None]
+                taught = micro_mask * has_teacher[batch].to(device)[:, None]
             old = logp.detach() if old_logp is None else pick(old_logp)  # same weights: ratio 1
-            loss, metrics = L.seed_loss(logp, old, advantages[rows].to(device)[:, None], micro_mask,
-                                        teacher_logp=pick(teacher_logp), ref_logp=pick(ref_logp),
-                                        entropy=entropy, teacher_mask=taught, **loss_kwargs)
+            loss, metrics = L.seed_loss(logp, old, advantages[batch].to(device)[:, None],
+                                        micro_mask, teacher_logp=pick(teacher_logp),
+                                        ref_logp=pick(ref_logp), entropy=entropy,
+                                        teacher_mask=taught, **loss_kwargs)
             if not torch.isfinite(loss):
                 skipped = f"non-finite loss {loss.item()}"
                 break
@@ -408,34 +421,26 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
     return totals, skipped
 
 
-def padded_logprobs(rows):
-    """Per-token log-prob lists -> (B, R) tensor, zeros past each row's end (the mask's layout)."""
-    width = max([1] + [len(row) for row in rows])
-    padded = [row + [0.0] * (width - len(row)) for row in rows]
-    return torch.tensor(padded, dtype=torch.float32).reshape(-1, width)  # (B, R)
-
-
 def ppo_update(policy, optimizer, rows, advantages, teacher_logp=None, ref_logp=None,
                has_teacher=None, mini_batches=1, generator=None, **update_kwargs):
-    """PPO over one rollout batch: the rows are shuffled into `mini_batches` parts, one optimizer
-    step (policy_update) each, as verl's ppo_mini_batch_size does. One part: old = the update's own
-    detached log-probs. Several: later parts run on moved weights, so the ratio uses the behaviour
-    policy's log-probs recorded while sampling. Returns (metrics averaged over parts, skip reasons
-    or None)."""
-    count = len(rows["prompts"])
+    """PPO over one rollout batch: rows shuffled into `mini_batches` parts, one optimizer step each
+    (verl's ppo_mini_batch_size). One part: old = the update's own detached log-probs; several:
+    later parts run on moved weights, so the ratio uses the log-probs recorded while sampling.
+    Returns (metrics averaged over parts, skip reasons or None)."""
+    count = len(rows.prompts)
     # tensor_split gives exactly that many parts (chunk may give fewer): torchrun ranks step alike
     parts = [torch.arange(count)]
     if mini_batches > 1:
         order = torch.randperm(count, generator=generator)
         parts = order.tensor_split(max(1, min(mini_batches, count)))
-    old_logp = padded_logprobs(rows["sampled_logp"]) if mini_batches > 1 else None  # (B, R)
+    old_logp = padded_logprobs(rows.sampled_logp) if mini_batches > 1 else None  # (B, R)
     pick = lambda x, part: None if x is None else x[part]
     totals, reasons = {}, []
     for part in parts:
         indices = part.tolist()
         metrics, skipped = policy_update(
-            policy, optimizer, [rows["prompts"][i] for i in indices],
-            [rows["responses"][i] for i in indices], advantages[part], pick(old_logp, part),
+            policy, optimizer, [rows.prompts[i] for i in indices],
+            [rows.responses[i] for i in indices], advantages[part], pick(old_logp, part),
             pick(teacher_logp, part), pick(ref_logp, part), pick(has_teacher, part),
             **update_kwargs)
         reasons += [skipped] if skipped else []

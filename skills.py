@@ -1,22 +1,25 @@
-"""skills.py: the analyzer side of SEED -- the prompt under which the policy reads its own finished
-episode, the parser that finds the skill it wrote, and the teacher context with that skill inserted.
-Strings in, strings out.
+"""skills.py: the text side of SEED, strings in and strings out -- the agent's prompt and action
+format, the prompt under which the policy reads its own finished episode, the parser that finds the
+skill it wrote, stage 1's examples, and the teacher context with that skill inserted.
 
-    analyzer_prompt(trajectory)  -> text; the policy answers JSON {"episode_summary",
-    "episode_skill"}
+    render_prompt(template, ...) -> the agent's user message (the env's verl-agent template)
+    parse_action(response, tags) -> the action in a response or None (response_is_valid: format)
+    analyzer_prompt(trajectory)  -> text; the policy answers {"episode_summary", "episode_skill"}
     parse_skill(output, task)    -> the skill (one line) or None; never raises
-    with_skill(prompt, skill)    -> the teacher prompt: the skill block after "Your task is to: ..."
+    hindsight_examples(...)      -> stage 1's (analyzer prompt, skill JSON) pairs, format-checked
+    with_skill(prompt, skill)    -> the teacher prompt: the skill block after "Your task is to:"
 
 Departures from the paper (and from OPID, whose prompt the paper's is inferred from): the analyzer
 prompt is compact for a tiny model, one line per step ("Step 3 | return 8.57 | obs: ... | thought:
 ... | action: ..."); over a token budget middle steps go first ("... (N steps omitted) ..."), then
-long texts are cut, never the task, outcome or instruction. The stage-1 annotator that writes
-training skills is a data maker (warmup/annotator.py), not part of the method.
+long texts are cut, never the task, outcome or instruction. The stage-1 annotators that write
+training skills are data makers (envs.py names each env's), not part of the method.
 
 Run the tests: python -m pytest -q test_seed.py -k skill
 """
 import ast
 import json
+import random
 import re
 import unicodedata
 import warnings
@@ -28,6 +31,41 @@ SKILL_HEADER = ("**Episode-Level Skill**\nRefer to this episode-level skill when
 JSON_SHAPE = '{"episode_summary": "...", "episode_skill": "..."}'
 
 
+# ------------------------------------------------------------ the agent's prompt and action
+def render_prompt(template, task, history, observation, admissible, history_window=5):
+    """The user message of one step in verl-agent's format: the env's template (a dict: "first"
+    without history, "history" with the last `history_window` (observation, action) pairs numbered
+    from the episode's start, how one admissible action is shown, what separates them) filled in."""
+    recent = history[-history_window:] if history_window > 0 else []
+    start = len(history) - len(recent)
+    records = "\n".join(f"[Observation {start + i + 1}: '{o}', Action {start + i + 1}: '{a}']"
+                        for i, (o, a) in enumerate(recent))
+    actions = template["separator"].join(template["action"].format(a) for a in admissible)
+    return template["history" if recent else "first"].format(
+        task=task, observation=observation, admissible_actions=actions, step_count=len(history),
+        history_length=len(recent), action_history=records, current_step=len(history) + 1)
+
+
+def parse_action(response, tags=("action",)):
+    """The text inside the first <action>...</action>, stripped; for an env whose template names
+    other tags (search's <search>, <answer>), the first complete pair of them, tags included, for
+    the env to read. None when there is none."""
+    found = [(bounds, tag) for tag in tags if (bounds := tag_bounds(response, tag))]
+    if not found:
+        return None
+    (start, end), tag = min(found)
+    inside = response[start + len(tag) + 2:end - len(tag) - 3]
+    return inside.strip() if tag == "action" else response[start:end]
+
+
+def response_is_valid(response, tags=("action",)):
+    """verl-agent's rule for a step without the invalid-format penalty: a <think>...</think> pair,
+    an action (parse_action) and no Chinese characters."""
+    return (tag_bounds(response, "think") is not None
+            and parse_action(response, tags) is not None
+            and not any("\u4e00" <= ch <= "\u9fff" for ch in response))
+
+
 # ------------------------------------------------------------------------------ analyzer prompt
 def discounted_returns(rewards, gamma=GAMMA):
     """G_t = r_t + gamma * G_{t+1}, computed backwards from the step rewards."""
@@ -37,13 +75,12 @@ def discounted_returns(rewards, gamma=GAMMA):
     return returns[::-1]
 
 
-def action_bounds(response):
-    """(start, end) of the first "<action>...</action>" in response, end past the closing tag; None
-    when there is none. Two str.find calls: the regex <action>(.*?)</action> is quadratic on many
-    unclosed tags."""
-    start = response.find("<action>")
-    end = response.find("</action>", start + len("<action>")) if start >= 0 else -1
-    return None if end < 0 else (start, end + len("</action>"))
+def tag_bounds(response, tag="action"):
+    """(start, end) of the first "<tag>...</tag>" in response, end past the closing tag; None when
+    there is none. Two str.find calls: the regex <tag>(.*?)</tag> is quadratic on unclosed tags."""
+    start = response.find(f"<{tag}>")
+    end = response.find(f"</{tag}>", start + len(tag) + 2) if start >= 0 else -1
+    return None if end < 0 else (start, end + len(tag) + 3)
 
 
 def _one_line(text):
@@ -51,26 +88,26 @@ def _one_line(text):
 
 
 def analyzer_prompt(trajectory, max_tokens=None, count_tokens=None):
-    """The prompt under which the policy turns its finished trajectory into one skill (as JSON).
+    """The prompt under which the policy turns its finished seed.Trajectory into one skill (JSON).
     Over max_tokens (counted by count_tokens: str -> int, default len // 4) middle steps are
     dropped, then texts cut; the fixed part (task, outcome, instruction) is never cut, so a budget
     below it cannot be met."""
     count_tokens = count_tokens or (lambda text: len(text) // 4)
-    steps = trajectory.get("steps") or []
+    steps = trajectory.steps
     rows = []
-    returns = discounted_returns([s.get("reward", 0.0) for s in steps])
+    returns = discounted_returns([step.reward for step in steps])
     for number, (step, ret) in enumerate(zip(steps, returns), 1):
-        action = _one_line(step.get("action"))
-        response = step.get("response") or ""
-        bounds = action_bounds(response)  # the first <action>...</action> goes; the rest: thought
+        action, response = _one_line(step.action), step.response or ""
+        bounds = tag_bounds(response)  # the first <action>...</action> (else the action) goes
         thought = response if bounds is None else response[:bounds[0]] + " " + response[bounds[1]:]
+        if bounds is None and step.action:  # an env's own tags: its action is the tagged text
+            thought = thought.replace(step.action, " ", 1)
         thought = _one_line(re.sub(r"</?think>", " ", thought))  # a bare action tag leaves none
-        invalid = "" if step.get("valid", True) or not action else " (invalid)"
-        rows.append((number, ret, _one_line(step.get("observation")),
-                     "" if thought == action else thought, (action or "(none)") + invalid))
-    won = bool(trajectory.get("won"))
-    reward = float(trajectory.get("reward", 0.0))
-    head = (f"Analyze the agent's episode.\nTask: {_one_line(trajectory.get('task'))}\n"
+        invalid = "" if step.valid or not action else " (invalid)"
+        rows.append((number, ret, _one_line(step.observation), "" if thought == action else thought,
+                     (action or "(none)") + invalid))
+    won, reward = bool(trajectory.won), float(trajectory.reward)
+    head = (f"Analyze the agent's episode.\nTask: {_one_line(trajectory.task)}\n"
             f"Outcome: {'success' if won else 'failure'} (reward {reward:g}, {len(steps)} steps)\n")
     tail = ("The episode succeeded. Give one reusable workflow: the core decision rule and the "
             "action order." if won else
@@ -99,6 +136,29 @@ def analyzer_prompt(trajectory, max_tokens=None, count_tokens=None):
         if max_tokens is None or count_tokens(prompt) <= max_tokens:
             break
     return prompt
+
+
+def skill_json(summary, skill):
+    """JSON {"episode_summary", "episode_skill"}: the analyzer's answer, what stage 1 trains on."""
+    return json.dumps({"episode_summary": summary, "episode_skill": skill}, ensure_ascii=False)
+
+
+def hindsight_examples(trajectories, annotate, max_prompt_tokens=None, count_tokens=None,
+                       seed_value=0):
+    """Stage-1 data: (analyzer prompt, skill JSON) per finished trajectory, the skill written by
+    `annotate` (the env's annotator: (trajectory, gt, rng) -> (summary, skill); the paper's is a
+    strong LLM), kept only when its JSON passes the check the analyzer's own output must pass
+    (parse_skill). Returns (examples, counts {"collected", "kept", "dropped"})."""
+    rng, examples = random.Random(seed_value), []
+    for trajectory in trajectories:
+        if trajectory.gt is None or trajectory.dropped:
+            continue
+        completion = skill_json(*annotate(trajectory, trajectory.gt, rng))
+        if parse_skill(completion, task=trajectory.task) is not None:
+            prompt = analyzer_prompt(trajectory, max_prompt_tokens, count_tokens)
+            examples.append((prompt, completion))
+    return examples, {"collected": len(trajectories), "kept": len(examples),
+                      "dropped": len(trajectories) - len(examples)}
 
 
 # --------------------------------------------------------------------------------- skill parser

@@ -284,6 +284,23 @@ class MiniwobEnv:
         return best
 
 
+# ---------------------------------------------------------------------- stage-1 annotation
+
+def annotate(trajectory, gt, rng):
+    """The stage-1 hindsight annotator of this env (envs.py names it): the actions that worked, or the scripted
+    solution the failure missed; rng (a random.Random) draws the phrasing."""
+    done = "; ".join(gt.get("actions") or []) or "nothing"
+    plan = "; ".join(gt.get("expert_plan") or [])
+    if gt["won"]:
+        return (f"The agent solved '{gt['task']}' with: {done}.",
+                rng.choice([f"Read the task and act on the element it names: {done}.", f"Workflow: {done}."]))
+    summary = f"The agent failed '{gt['task']}' (score {gt.get('score', 0):g}) after: {done}."
+    if plan:
+        return summary, rng.choice([f"The solution was: {plan}. Act on the elements the task names.",
+                                    f"Mistake: {done} did not solve it; do {plan}."])
+    return summary, f"Read the task again and act on the element it names; {done} did not solve it."
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Play the scripted MiniWoB expert on a few episodes.")
     parser.add_argument("--task", default="click-button", choices=EXPERT_TASKS)

@@ -43,6 +43,22 @@ import urllib.request
 import zlib
 from collections import Counter
 from html.parser import HTMLParser
+
+# verl-agent's WebShop prompt (agent_system/environments/prompts/webshop.py), spelling and spacing included
+# (its history sentence spells "observations"); seed.render_prompt fills it
+_WEBSHOP = ("\nYou are an expert autonomous agent operating in the WebShop e\u2011commerce environment.{space}\n"
+            "Your task is to: {{task}}.\n{state}.\nYour admissible actions of the current situation are: \n[\n"
+            "{{admissible_actions}}\n].\n\nNow it's your turn to take one action for the current step.\nYou should "
+            "first reason step-by-step about the current situation, then think carefully which admissible action "
+            "best advances the shopping goal. This reasoning process MUST be enclosed within <think> </think> tags. "
+            "\nOnce you've finished your reasoning, you should choose an admissible action for current step and "
+            "present it within <action> </action> tags.\n")
+_HISTORY = ("Prior to this step, you have already taken {step_count} step(s). Below are the most recent "
+            "{history_length} observations and the corresponding actions you took: {action_history}\n"
+            "You are now at step {current_step} and your current observation is: {observation}")
+PROMPT = {"first": _WEBSHOP.format(space=" ", state="Your current observation is: {observation}"),
+          "history": _WEBSHOP.format(space="", state=_HISTORY), "action": "'{}',", "separator": "\n",
+          "tags": ("action",)}
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 SPLITS = ("train", "valid_seen", "valid_unseen")

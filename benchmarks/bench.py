@@ -15,7 +15,7 @@ update at the paper's batch shapes, only when CUDA is present.
 How to read it: a shared machine makes absolute times drift, so every comparison runs its variants
 interleaved in one process (A B A B ...) and prints the median time of each and the median of the per-round
 ratios. Models are random-weight Qwen2s built from configs (nothing is downloaded); the rollout and update
-sections use the tiny policy: train.py's cached warm-up (cache/tiny-household-*) when there is one, else
+sections use the tiny policy: the default run's warm-start (cached or shipped) when there is one, else
 random weights, whose responses run to the token limit. Analyses that do not parse get a fixed skill, so every
 row has a teacher pass (the worst case for SEED). Tests never time anything; tests/test_bench.py runs helpers and a
 --quick section as smoke tests.
@@ -23,7 +23,6 @@ row has a teacher pass (the worst case for SEED). Tests never time anything; tes
 import argparse
 import contextlib
 import copy
-import glob
 import inspect
 import io
 import json
@@ -45,6 +44,7 @@ import loss as L  # noqa: E402
 import seed  # noqa: E402
 from models.policy import Policy, load_policy  # noqa: E402
 from models.tiny import TINY_SIZES, build_tiny_policy  # noqa: E402
+from simulators.household import PROMPT  # noqa: E402
 
 SHAPES = {  # Qwen2 / Qwen2.5 shapes; the number of layers is chosen per section
     "tiny": dict(vocab_size=2048, **TINY_SIZES),
@@ -247,14 +247,15 @@ def section_memory(args):
 
 
 def bench_policy(args):
-    """The tiny policy: --model folder, else the newest cached warm-up of train.py (cache/tiny-household-*), else
-    (or with --model random) random weights with a BPE trained here."""
+    """The tiny policy: --model folder, else the default run's warm-start (cached or shipped, as `python
+    train.py` finds it), else (or with --model random) random weights with a BPE trained here."""
     folder = args.model
     if folder is None:
-        cached = [path for path in glob.glob(os.path.join(REPO, "cache",
-                                                          "tiny-household-*", "warmup.json"))
-                  if not os.path.dirname(path).endswith(".tmp")]  # a warm-up still being written is skipped
-        folder = os.path.dirname(max(cached, key=os.path.getmtime)) if cached else "random"
+        import envs
+        import train
+        from warmup import warm_start
+        cfg = train.get_config(["--cache-dir", os.path.join(REPO, "cache")], check=False)  # defaults only
+        folder = warm_start.existing_warm_start(cfg, envs.env_options(cfg))[1] or "random"
     if folder != "random":
         return load_policy(folder, device="cpu", dtype="float32"), f"the tiny policy in {folder}"
     import envs
@@ -279,17 +280,17 @@ def section_rollout(args, policy):
     counted = {}
 
     def batched():
-        counted["batched"] = seed.rollout(policy, train_envs, task_seeds, group, max_steps, new_tokens, desc=None,
-                                          generator=torch.Generator().manual_seed(0))
+        counted["batched"] = seed.rollout(policy, train_envs, task_seeds, group, max_steps, PROMPT, new_tokens,
+                                          desc=None, generator=torch.Generator().manual_seed(0))
 
     def one_at_a_time():
         counted["single"] = [t for i, env in enumerate(train_envs) for t in seed.rollout(
-            policy, [env], [task_seeds[i // group]], 1, max_steps, new_tokens, batch_size=1, desc=None,
+            policy, [env], [task_seeds[i // group]], 1, max_steps, PROMPT, new_tokens, batch_size=1, desc=None,
             generator=torch.Generator().manual_seed(i))]
 
     times = compare({"batched": batched, "single": one_at_a_time}, min(args.repeats, 3), warmup=0)
-    tokens = {k: sum(len(s["response_ids"]) for t in v for s in t["steps"]) for k, v in counted.items()}
-    prompt_tokens = sum(len(s["prompt_ids"]) for t in counted["batched"] for s in t["steps"])
+    tokens = {k: sum(len(s.response_ids) for t in v for s in t.steps) for k, v in counted.items()}
+    prompt_tokens = sum(len(s.prompt_ids) for t in counted["batched"] for s in t.steps)
     rate = {k: tokens[k] / med(times[k]) for k in times}
     speedup = median_ratio(times, "single", "batched") * tokens["batched"] / tokens["single"]
     print(f"\n## 4. rollouts: {tasks} tasks x {group} rollouts, {max_steps} steps, <= {new_tokens} new tokens per step")
@@ -300,8 +301,14 @@ def section_rollout(args, policy):
     return speedup
 
 
+# the update's distillation term per arm: OPID's advantage path (the tiny preset's) and the paper's gated OPD loss
+DISTILL = {"seed": {"distill_mode": "advantage", "distill_coef": 0.1},
+           "seed-gated": {"distill_mode": "gated", "distill_coef": 0.01}, "grpo": {"distill_coef": 0.0}}
+
+
 def one_update(policy, algo, train_envs, task_seeds, sizes):
-    """One train.py update (same calls, same order) on a copy of the policy; returns {phase: seconds}."""
+    """One train.py update (same calls, same order) on a copy of the policy; returns {phase: seconds}. algo:
+    grpo, seed (the advantage path) or seed-gated (the paper's gated loss)."""
     group, max_steps, new_tokens, analysis_tokens = sizes
     policy = Policy(copy.deepcopy(policy.model), policy.tokenizer)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=2e-4, weight_decay=0.0)
@@ -312,11 +319,11 @@ def one_update(policy, algo, train_envs, task_seeds, sizes):
         now = time.perf_counter()
         times[phase], clock = now - clock, now
 
-    trajectories = seed.rollout(policy, train_envs, task_seeds, group, max_steps, new_tokens, desc=None,
+    trajectories = seed.rollout(policy, train_envs, task_seeds, group, max_steps, PROMPT, new_tokens, desc=None,
                                 generator=torch.Generator().manual_seed(0))
     lap("rollout")
     skill_list = None
-    if algo == "seed":
+    if algo != "grpo":
         skill_list, _ = seed.analyze(policy, trajectories, 1024, analysis_tokens, desc=None)
         skill_list = [s or FIXED_SKILL for s in skill_list]  # worst case: every row gets a teacher pass
     lap("analyze")
@@ -325,10 +332,10 @@ def one_update(policy, algo, train_envs, task_seeds, sizes):
         _, teacher, _, has_teacher = seed.rescore(policy, rows, need_old=False)
     lap("rescore")
     advantages = seed.step_advantages(trajectories, rows)  # (B,)
-    seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages, None,
-                       teacher if algo == "seed" else None, None, has_teacher, {"distill_coef": 0.1})
+    seed.policy_update(policy, optimizer, rows.prompts, rows.responses, advantages, None,
+                       None if algo == "grpo" else teacher, None, has_teacher, DISTILL[algo])
     lap("update")
-    times["rows"] = len(rows["prompts"])
+    times["rows"] = len(rows.prompts)
     if algo == "seed":
         times["shared"] = shared_prefix_share(policy.tokenizer, rows)
     return times
@@ -338,7 +345,7 @@ def shared_prefix_share(tokenizer, rows):
     """Share of the teacher pass's tokens that repeat the longest prefix common to every teacher prompt of the same
     trajectory: the most that computing such a prefix once per trajectory could save."""
     by_trajectory = {}
-    for text, response, index in zip(rows["teacher_prompts"], rows["responses"], rows["trajectory"]):
+    for text, response, index in zip(rows.teacher_prompts, rows.responses, rows.trajectory):
         if text is not None:
             by_trajectory.setdefault(index, []).append((seed.encode_chat(tokenizer, text), len(response)))
     total = repeated = 0
@@ -352,25 +359,36 @@ def shared_prefix_share(tokenizer, rows):
 
 
 def section_seed_overhead(args, policy):
-    """(5) one SEED update vs one GRPO update at the same sizes, by phase, interleaved."""
+    """(5) one SEED update (the advantage path and the paper's gated loss) vs one GRPO update at the same sizes, by
+    phase, interleaved."""
     tasks, sizes = (2, (2, 2, 16, 24)) if args.quick else (4, (4, 20, 48, 96))
     group, max_steps, new_tokens, analysis_tokens = sizes
     train_envs, task_seeds = make_envs(tasks * group, max_steps), list(range(200, 200 + tasks))
-    runs = {"grpo": [], "seed": []}
+    runs = {"grpo": [], "seed": [], "seed-gated": []}
     for r in range(min(args.repeats, 3)):
-        for algo in (["grpo", "seed"] if r % 2 == 0 else ["seed", "grpo"]):
+        order = list(runs)[r % 3:] + list(runs)[:r % 3]  # each arm first in turn
+        for algo in order:
             runs[algo].append(one_update(policy, algo, train_envs, task_seeds, sizes))
     phases = ["rollout", "analyze", "rescore", "update"]
     total = {a: [sum(run[p] for p in phases) for run in runs[a]] for a in runs}
     ratio = statistics.median(s / g for s, g in zip(total["seed"], total["grpo"]))
     print(f"\n## 5. one SEED vs one GRPO update: {tasks} tasks x {group} rollouts, {max_steps} steps, <= {new_tokens} "
           f"new tokens, analysis <= {analysis_tokens} tokens ({runs['seed'][0]['rows']} step rows), median s")
-    print(f"{'algo':>5} " + " ".join(f"{p:>8}" for p in phases) + f" {'total':>8}")
+    print(f"{'algo':>10} " + " ".join(f"{p:>8}" for p in phases) + f" {'total':>8}")
     for algo in runs:
-        print(f"{algo:>5} " + " ".join(f"{med([run[p] for run in runs[algo]]):>8.2f}" for p in phases)
+        print(f"{algo:>10} " + " ".join(f"{med([run[p] for run in runs[algo]]):>8.2f}" for p in phases)
               + f" {med(total[algo]):>8.2f}")
-    print(f"SEED / GRPO: {ratio:.2f}x (median of per-round ratios); {runs['seed'][0]['shared']:.0%} of the teacher "
-          f"pass's tokens repeat a prefix shared by the trajectory's rows (the most prefix sharing could save there)")
+    gated = statistics.median(s / g for s, g in zip(total["seed-gated"], total["grpo"]))
+    # each phase's extra seconds over GRPO's median total, so the shares add up to the ratio minus 1 (GRPO has
+    # no analyze or re-score phase: a per-phase ratio would divide by zero)
+    grpo_total = med(total["grpo"])
+    by_phase = "1 " + " ".join(f"{'+' if extra >= 0 else '-'} {abs(extra):.2f} {p}" for p in phases
+                               for extra in [(med([r[p] for r in runs["seed-gated"]])
+                                              - med([r[p] for r in runs["grpo"]])) / grpo_total])
+    print(f"SEED / GRPO: {ratio:.2f}x, gated SEED / GRPO: {gated:.2f}x (medians of per-round ratios; "
+          f"by phase, the medians over GRPO's median total: {by_phase}); "
+          f"{runs['seed'][0]['shared']:.0%} of the teacher pass's tokens repeat a prefix shared by the trajectory's "
+          "rows (the most prefix sharing could save there)")
     return ratio
 
 

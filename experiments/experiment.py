@@ -38,25 +38,49 @@ sys.path.insert(0, REPO)
 from training.logs import read_records as read_jsonl  # noqa: E402  one JSONL reader for the whole repository
 
 
+# the arms an experiment can run, each train.py's flags on top of the shared ones: SEED and GRPO, the paper's
+# objective (its gated OPD loss) and its three ablations (REFERENCE 1b), the shuffled-skill control, and the
+# analyzer-training candidates (training/analyzer.py); docs/experiments.md reports each
+ARMS = {"seed": [], "grpo": ["--algo", "grpo"],
+        "seed-gated": ["--distill-mode", "gated", "--distill-coef", "0.01"],
+        "shuffled": ["--teacher-skill", "shuffled"],  # each teacher gets another task's skill
+        "start-analyzer": ["--analyzer", "start"],  # the paper's "without on-policy skills"
+        "no-stage1": ["--warmup-analyzer-share", "0"],  # the paper's "without hindsight-skill SFT" (tiny)
+        "analyzer-confirmed": ["--analyzer-training", "confirmed"],
+        "analyzer-lift": ["--analyzer-training", "lift"],
+        "analyzer-anchor": ["--analyzer-training", "anchor"]}
+
+
+def warm_up_flags(flags):
+    """The tiny warm-up's own flags among an arm's (flag, value) pairs: an arm with some needs its own warm-start."""
+    return tuple(x for pair in zip(flags[::2], flags[1::2]) if pair[0].startswith("--warmup") for x in pair)
+
+
 def run_all(args, extra):
-    """Every (algo, seed) run -> [(algo, seed, out_dir)]. --jobs > 1 runs that many at a time, each with
-    cores / jobs torch threads and its output in <out_dir>.log, after building the shared warm-start once."""
+    """Every (arm, seed) run -> [(arm, seed, out_dir)]. --jobs > 1 runs that many at a time, each with
+    cores / jobs torch threads and its output in <out_dir>.log, after building each warm-start the arms need
+    once. The root is held by this process (training/locks.py): a second experiment on it stops at once."""
+    from training.locks import LOCK_NAME, FolderLock
+    FolderLock(os.path.join(args.root, LOCK_NAME), "experiments/experiment.py").acquire()
     runs, running, threads = [], [], max(1, (os.cpu_count() or 1) // args.jobs)
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads)} if args.jobs > 1 else None
     shared = ["--cache-dir", args.cache_dir, "--warmup-seed", str(args.warmup_seed)] + extra
-    if args.jobs > 1:  # parallel runs would each build the same missing warm-start
+    # runs side by side would each build the same missing warm-start: each one the arms need is built first
+    warm_ups = sorted({warm_up_flags(ARMS[arm]) for arm in args.arms}) if args.jobs > 1 else []
+    for index, flags in enumerate(warm_ups):
         subprocess.run([sys.executable, os.path.join(REPO, "train.py"), "--stage", "sft", "--overwrite",
-                        "--out-dir", os.path.join(args.root, "warm-start")] + shared, check=True)
+                        "--out-dir", os.path.join(args.root, f"warm-start-{index}")] + shared + list(flags),
+                       check=True)
     for seed_value in args.seeds:
-        for algo in args.algos:
-            out_dir = os.path.join(args.root, f"{algo}-{seed_value}")
-            runs.append((algo, seed_value, out_dir))
+        for arm in args.arms:
+            out_dir = os.path.join(args.root, f"{arm}-{seed_value}")
+            runs.append((arm, seed_value, out_dir))
             if os.path.exists(os.path.join(out_dir, "summary.json")) and not args.rerun:
                 print(f"{out_dir}: done before, reusing (--rerun to redo)")
                 continue
-            command = [sys.executable, os.path.join(REPO, "train.py"), "--algo", algo, "--seed", str(seed_value),
+            command = [sys.executable, os.path.join(REPO, "train.py"), "--seed", str(seed_value),
                        "--out-dir", out_dir, "--overwrite", "--updates", str(args.updates),
-                       "--eval-every", str(args.eval_every)] + shared
+                       "--eval-every", str(args.eval_every)] + ARMS[arm] + shared
             while len(running) >= args.jobs:
                 wait(running.pop(0))
             print("running:", " ".join(command), flush=True)
@@ -81,7 +105,14 @@ def spread(values):
     return (statistics.mean(values), statistics.pstdev(values)) if values else (float("nan"), float("nan"))
 
 
-METRICS = (("micro", "success"), ("habit_unlearned", "habit unlearned"))  # eval.jsonl keys, what they mean
+# eval.jsonl keys (the probes' in r["probes"]) and what they mean; the last three: evaluation/self_analysis.py
+METRICS = (("micro", "success"), ("habit", "habit unlearned"), ("parse_fail", "parse failures (probe)"),
+           ("fixing", "fixing skills (probe)"), ("lift", "skill lift (probe)"), ("raw_lift", "raw skill lift (probe)"))
+
+
+def evaluations(run_dir):
+    """A run's eval.jsonl records with their probe columns (e.g. the household habit) as keys of their own."""
+    return [{**r, **r.get("probes", {})} for r in read_jsonl(os.path.join(run_dir, "eval.jsonl"))]
 
 
 def summarise(args, runs):
@@ -95,24 +126,24 @@ def summarise(args, runs):
     curves = {}
     for metric, name in METRICS:
         rows = []
-        for algo in args.algos:
+        for algo in args.arms:
             for split in ("valid_seen", "valid_unseen"):
                 row = []
                 for update in updates:
-                    values = [r[metric] for a, _, d in runs if a == algo
-                              for r in read_jsonl(os.path.join(d, "eval.jsonl"))
-                              if r["split"] == split and r["update"] == update and metric in r]
+                    values = [r[metric] for a, _, d in runs if a == algo for r in evaluations(d)
+                              if r["split"] == split and r["update"] == update and r.get(metric) is not None]
                     mean, std = spread(values)
                     curves.setdefault((metric, algo, split), []).append((update * per_update, mean, std))
                     row.append(f"{mean:.3f} ± {std:.3f}")
-                rows.append(f"| {algo} | {split} | " + " | ".join(row) + " |")
+                if any(cell != "nan ± nan" for cell in row):  # the probes read valid_seen only
+                    rows.append(f"| {algo} | {split} | " + " | ".join(row) + " |")
         if all(math.isnan(mean) for (m, _, _), points in curves.items() if m == metric for _, mean, _ in points):
             continue  # not measured on this env (the habit probe is household-only)
         lines += ["", f"{name}:", "", "| algo | split | " + " | ".join(f"{u * per_update} ep" for u in updates) + " |",
                   "|---|---|" + "---|" * len(updates)] + rows
     lines += ["", "| algo | parse_fail (first -> last update) | delta_abs_mean | teacher_token_share | adv_mean |",
               "|---|---|---|---|---|"]
-    for algo in args.algos:
+    for algo in args.arms:
         metrics = [read_jsonl(os.path.join(d, "metrics.jsonl")) for a, _, d in runs if a == algo]
         first = [m[0].get("parse_fail") for m in metrics if m and m[0].get("parse_fail") is not None]
         last = [m[-1].get("parse_fail") for m in metrics if m and m[-1].get("parse_fail") is not None]
@@ -122,15 +153,46 @@ def summarise(args, runs):
         advantage = [x["adv_mean"] for m in metrics for x in m if "adv_mean" in x]
         fmt = lambda v: f"{statistics.mean(v):.3f}" if v else "-"
         lines.append(f"| {algo} | {fmt(first)} -> {fmt(last)} | {fmt(delta)} | {fmt(share)} | {fmt(advantage)} |")
-    if any(not math.isnan(mean) for (m, _, _), points in curves.items() if m == "habit_unlearned"
+    if any(not math.isnan(mean) for (m, _, _), points in curves.items() if m == "habit"
            for _, mean, _ in points):
-        lines += ["", ratio_line(curves, "habit_unlearned", "habit unlearned")]
+        lines += ["", ratio_line(curves, "habit", "habit unlearned")]
+    lines += [""] + [self_analysis_line(curves, arm) for arm in args.arms if ("lift", arm, "valid_seen") in curves]
+    lines += [ablation_line(curves, "shuffled", "shuffled skills")] if "shuffled" in args.arms else []
+    lines += ablation_table(curves, args.arms)
     lines += ["", ratio_line(curves)]  # success last
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.root, "experiment.md"), "w") as f:
         f.write(text)
     print(text)
     plot(args, curves)
+
+
+def self_analysis_line(curves, arm):
+    """`self-analysis over training (ARM): parse failures A -> B; fixing skills F0 -> F1; skill lift X ± s ->
+    Y ± t`: the probe's numbers at the first and the last evaluation, mean (± std) over seeds."""
+    point = lambda metric, index: (curves.get((metric, arm, "valid_seen")) or [(0, float("nan"), 0.0)])[index]
+    show = lambda metric: " -> ".join(f"{point(metric, i)[1]:.3f}" for i in (0, -1))
+    (_, x, s), (_, y, t) = point("lift", 0), point("lift", -1)
+    return (f"self-analysis over training ({arm}): parse failures {show('parse_fail')}; fixing skills "
+            f"{show('fixing')}; skill lift {x:.3f} ± {s:.3f} -> {y:.3f} ± {t:.3f}")
+
+
+def ablation_line(curves, arm, name):
+    """`ablation (NAME): final valid_seen success SEED A ± s, ARM B ± t`."""
+    (_, a, s), (_, b, t) = curves[("micro", "seed", "valid_seen")][-1], curves[("micro", arm, "valid_seen")][-1]
+    return f"ablation ({name}): final valid_seen success SEED {a:.3f} ± {s:.3f}, {arm} {b:.3f} ± {t:.3f}"
+
+
+def ablation_table(curves, arms):
+    """Every arm's final valid_seen and valid_unseen success, mean ± std over seeds (the paper's Table 2 form)."""
+    final = lambda arm, split: curves[("micro", arm, split)][-1]
+    lines = ["", "| arm | final valid_seen success | final valid_unseen success | gain over the start (seen) |",
+             "|---|---|---|---|"]
+    for arm in arms:
+        (_, seen, seen_std), (_, unseen, unseen_std) = final(arm, "valid_seen"), final(arm, "valid_unseen")
+        gain = seen - curves[("micro", arm, "valid_seen")][0][1]
+        lines.append(f"| {arm} | {seen:.3f} ± {seen_std:.3f} | {unseen:.3f} ± {unseen_std:.3f} | {gain:+.3f} |")
+    return lines
 
 
 def episodes_to_reach(curve, target):
@@ -181,7 +243,7 @@ def plot(args, curves):
     figure, axes = plt.subplots(len(metrics), 2, figsize=(10, 4 * len(metrics)), squeeze=False)
     for (metric, name), axis_row in zip(metrics, axes):
         for axis, split in zip(axis_row, ("valid_seen", "valid_unseen")):
-            for algo in args.algos:
+            for algo in args.arms:
                 points = curves.get((metric, algo, split), [])
                 x, mean, std = zip(*points) if points else ([], [], [])
                 axis.plot(x, mean, marker="o", label=algo)
@@ -205,22 +267,29 @@ def probes(model, episodes=48, history_window=3, max_steps=20, seed_value=0):
     import envs
     import seed
     from models.policy import load_policy
-    from warmup import warm_start
+    from evaluation import habit
+    from simulators.household import PROMPT
     policy = load_policy(model, device="cpu", dtype="float32")
     found = {}
     for split in ("valid_seen", "valid_unseen"):
-        decisions = warm_start.habit_decisions(split, 48, history_window, max_steps)
-        found[f"habit {split}"] = warm_start.habit_probe(policy, decisions)
-        found[f"skill lift {split}"] = warm_start.skill_lift(policy, decisions)
+        decisions = habit.habit_decisions(split, 48, history_window, max_steps)
+        found[f"habit {split}"] = habit.habit_probe(policy, decisions)
+        controls = habit.skill_controls(policy, decisions)
+        for name, lifts in controls.items():  # does what the skill says decide? paired per decision
+            found[f"skill lift {split}, {name} skill"] = lifts.mean().item()
+        for name in ("shuffled", "generic"):
+            gap = controls["own"] - controls[name]  # (n,)
+            found[f"own minus {name} lift {split}: mean, std, decisions where own is higher"] = (
+                f"{gap.mean().item():+.3f}, {gap.std().item():.3f}, {int((gap > 0).sum())} of {len(gap)}")
     env_list = [envs.make_env("household", "train", i, max_steps=max_steps) for i in range(episodes)]
-    tasks = warm_start.habit_task_seeds(episodes)
-    trajectories = seed.rollout(policy, env_list, tasks, 1, max_steps, 48, 1.0, history_window,
+    tasks = habit.habit_task_seeds(episodes)
+    trajectories = seed.rollout(policy, env_list, tasks, 1, max_steps, PROMPT, 48, 1.0, history_window,
                                 generator=torch.Generator().manual_seed(seed_value))
     skill_list, _ = seed.analyze(policy, trajectories, 1024, 96)
-    share, failed = warm_start.fixing_skill_share(trajectories, skill_list)
+    share, failed = habit.fixing_skill_share(trajectories, skill_list)
     found["fixing skill share"], found["habit failures"] = share, failed
     for name, value in found.items():
-        print(f"{name}: {value if value is None or isinstance(value, int) else f'{value:.3f}'}")
+        print(f"{name}: {value if value is None or isinstance(value, (int, str)) else f'{value:.3f}'}")
     return found
 
 
@@ -235,28 +304,29 @@ def screen_skill_probes(model, episodes=64, seed_value=0):
     import seed
     from models.policy import load_policy
     from models.scoring import response_mask
+    from simulators.vision import PROMPT
     policy = load_policy(model, device="cpu", dtype="float32")
     env_list = [envs.make_env("vision", "train", i) for i in range(episodes)]
-    trajectories = seed.rollout(policy, env_list, list(range(10_000, 10_000 + episodes)), 1, 6, 48, 1.0, 3,
-                                env_name="vision", generator=torch.Generator().manual_seed(seed_value))
+    trajectories = seed.rollout(policy, env_list, list(range(10_000, 10_000 + episodes)), 1, 6, PROMPT, 48, 1.0, 3,
+                                generator=torch.Generator().manual_seed(seed_value))
     skill_list, _ = seed.analyze(policy, trajectories, 1024, 96)
-    found = screen_skill_checks([t["gt"] for t in trajectories], skill_list)
+    found = screen_skill_checks([t.gt for t in trajectories], skill_list)
     # what the teacher does with those skills: delta summed over a step's response, at the wrong click of a
     # failure (negative: the skill lowers the mistake) and at the steps of won episodes (positive: it raises them)
     # and which tokens take it: the think's cell digits (where the click is decided: the action copies them) or
     # its look words ("red circle")
     rows = seed.step_rows(trajectories, skill_list)
     old, teacher, _, has_teacher = seed.rescore(policy, rows)
-    delta = (teacher - old) * response_mask(rows["responses"])                  # (B, R)
+    delta = (teacher - old) * response_mask(rows.responses)                  # (B, R)
     cells, looks = torch.zeros_like(delta), torch.zeros_like(delta)             # (B, R) each
-    for row, response in enumerate(rows["responses"]):
+    for row, response in enumerate(rows.responses):
         cell_positions, look_positions = think_parts(policy.tokenizer, response)
         cells[row, cell_positions], looks[row, look_positions] = 1.0, 1.0
-    step_of = [step for t in trajectories for step in range(len(t["steps"]))]  # step_rows' order
+    step_of = [step for t in trajectories for step in range(len(t.steps))]  # step_rows' order
     for name, keep in (("wrong click", lambda gt, step: (gt.get("mistake") or {}).get("step") == step),
                        ("won episode's step", lambda gt, step: gt["won"])):
-        chosen = [i for i, t in enumerate(rows["trajectory"])
-                  if has_teacher[i] and keep(trajectories[t]["gt"], step_of[i])]
+        chosen = [i for i, t in enumerate(rows.trajectory)
+                  if has_teacher[i] and keep(trajectories[t].gt, step_of[i])]
         for part, weights in (("", None), (" at the cell digits", cells), (" at the look words", looks)):
             values = [float((delta[i] if weights is None else delta[i] * weights[i]).sum()) for i in chosen]
             found[f"{name}: summed delta{part}, mean"] = (statistics.mean(values) if values else None, len(values))
@@ -275,14 +345,14 @@ def screen_skill_lift(policy, tasks=64):
     import seed
     import skills
     from models import vision
-    from warmup.annotator import vision_annotations
+    from simulators.vision import PROMPT, vision_annotations
     env, prompts, answers = envs.make_env("vision", "valid_seen", 0), [], []
     for task_seed in range(tasks):
         observation, info = env.reset(task_seed)
         target, task = env.targets[0] + 1, info["task"]
         distractor = next(cell + 1 for cell in sorted(env.items) if cell not in env.targets)
-        prompt = vision.user_message(seed.render_prompt(task, [], vision.observation_text(observation),
-                                                        info["admissible"], 3, "vision"), observation)
+        prompt = vision.user_message(skills.render_prompt(PROMPT, task, [], vision.observation_text(observation),
+                                                        info["admissible"], 3), observation)
         right = vision_annotations({"task": task, "won": True, "targets": [target], "clicked": []})[1][1]
         wrong = vision_annotations({"task": task, "won": False, "targets": [target], "clicked": [],
                                     "mistake": {"cell": distractor}})[1][0]
@@ -290,7 +360,7 @@ def screen_skill_lift(policy, tasks=64):
             prompts.append(prompt if skill is None else vision.same_image(prompt, skills.with_skill(prompt, skill)))
         answers.append((target, distractor))
     responses, _ = seed.sample(policy, [seed.encode_chat(policy.tokenizer, p) for p in prompts], 48, 0.0)
-    clicks = [seed.parse_action(policy.tokenizer.decode(r, skip_special_tokens=True)) for r in responses]
+    clicks = [skills.parse_action(policy.tokenizer.decode(r, skip_special_tokens=True)) for r in responses]
     # the share of tasks whose prompt `variant` (0: no skill, 1: success, 2: mistake) clicked the target (which
     # 0) or the distractor (1)
     share = lambda variant, which: share_of([clicks[3 * i + variant] == f"click {cells[which]}"
@@ -346,9 +416,10 @@ def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4
     import seed
     from loss import seed_delta
     from models.policy import load_policy
-    from warmup import warm_start
-    decisions = warm_start.habit_decisions("valid_seen", 48)
-    habit_tasks = warm_start.habit_task_seeds(rounds * tasks)
+    from evaluation import habit
+    from simulators.household import PROMPT
+    decisions = habit.habit_decisions("valid_seen", 48)
+    habit_tasks = habit.habit_task_seeds(rounds * tasks)
     env_list = [envs.make_env("household", "train", i) for i in range(tasks * group_size)]
     reference = load_policy(model, device="cpu", dtype="float32").model.eval()
     found = {}
@@ -356,34 +427,34 @@ def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4
         policy = load_policy(model, device="cpu", dtype="float32")
         optimizer = torch.optim.AdamW(policy.model.parameters(), lr=lr, weight_decay=0.0)
         torch.manual_seed(seed_value)
-        probes = [warm_start.habit_probe(policy, decisions)]
+        probes = [habit.habit_probe(policy, decisions)]
         for round_index in range(rounds):
             task_seeds = habit_tasks[round_index * tasks:(round_index + 1) * tasks]
-            trajectories = seed.rollout(policy, env_list, task_seeds, group_size, 20, 48, 1.0, 3,
+            trajectories = seed.rollout(policy, env_list, task_seeds, group_size, 20, PROMPT, 48, 1.0, 3,
                                         generator=torch.Generator().manual_seed(seed_value + round_index))
             won = {}
             for t in trajectories:
-                won[t["group"]] = won.get(t["group"], False) or t["won"]
-            failed = [t for t in trajectories if not won[t["group"]]]
+                won[t.group] = won.get(t.group, False) or t.won
+            failed = [t for t in trajectories if not won[t.group]]
             if not failed:
                 probes.append(probes[-1])
                 continue
             skill_list, _ = seed.analyze(policy, failed, 1024, 96)
             rows = seed.step_rows(failed, skill_list)
             _, teacher, ref, has_teacher = seed.rescore(policy, rows, 1.0, reference=reference, need_old=False)
-            sampled = seed.padded_logprobs(rows["sampled_logp"])                            # (B, R)
-            response = seed.response_mask(rows["responses"])                                  # (B, R')
+            sampled = seed.padded_logprobs(rows.sampled_logp)                            # (B, R)
+            response = seed.response_mask(rows.responses)                                  # (B, R')
             mask = response[:, :sampled.shape[1]] * has_teacher[:, None]  # no skill, no teacher: delta 0 (B, R)
             delta = seed_delta(teacher[:, :sampled.shape[1]], sampled, mask)                # (B, R)
             decision_rows = decision_steps(failed, rows)
             advantages = seed.step_advantages(failed, rows, "batch", "steps")                # (B,)
             seed.ppo_update(policy, optimizer, rows, advantages, teacher if coef else None, ref, has_teacher, 4,
                             loss_kwargs=dict(distill_coef=coef, kl_coef=kl_coef), temperature=1.0)
-            probes.append(warm_start.habit_probe(policy, decisions))
+            probes.append(habit.habit_probe(policy, decisions))
             tokens = response.sum().clamp(min=1)
             found.setdefault(algo, []).append({
                 "round": round_index + 1, "all_failed_groups": len(failed) // group_size,
-                "rows": len(rows["prompts"]), "habit_before": probes[-2], "habit_after": probes[-1],
+                "rows": len(rows.prompts), "habit_before": probes[-2], "habit_after": probes[-1],
                 "delta_abs_all": float(delta.abs().sum() / tokens),
                 "delta_abs_decision": float(delta[decision_rows].abs().amax(-1).mean()) if decision_rows else None,
                 "advantage_abs": float(advantages.abs().mean())})
@@ -400,20 +471,21 @@ def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4
 
 def evaluate_models(folders, temperature=0.4, tasks=96, extra=()):
     """A second reading of finished runs: each model folder (a warm-start or a checkpoint) evaluated with
-    train.evaluate at `temperature` on `tasks` tasks per split of the env that `extra` (train.py flags, e.g.
-    ["--env", "vision"]) names, household by default. Prints and returns one dict each."""
+    evaluation.evaluate at `temperature` on `tasks` tasks per split of the env that `extra` (train.py flags,
+    e.g. ["--env", "vision"]) names, household by default. Prints and returns one dict each."""
     import envs
     import train
+    from evaluation.evaluate import evaluate
     from models.policy import load_policy
     cfg = train.get_config(["--eval-temperature", str(temperature), "--eval-tasks", str(tasks), *extra], check=False)
-    options = envs.env_options(cfg.env, cfg.max_steps)
+    options = envs.env_options(cfg)
     found = []
     for folder in folders:
         policy = load_policy(folder, device="cpu", dtype="float32")
         row = {"model": folder, "temperature": temperature, "tasks": tasks}
         for split in ("valid_seen", "valid_unseen"):
-            result = train.evaluate(policy, cfg, split, [envs.make_env(cfg.env, split, i, **options)
-                                                         for i in range(tasks)])
+            result = evaluate(policy, cfg, split, [envs.make_env(cfg.env, split, i, **options)
+                                                         for i in range(tasks)], envs.load(envs.spec(cfg.env).prompt))
             row[split], row[f"{split} invalid"] = result["micro"], result["invalid_share"]
         print(" | ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
         found.append(row)
@@ -424,14 +496,14 @@ def decision_steps(trajectories, rows):
     """Row indices of each trajectory's step right after it took its goal object (the habit's decision)."""
     found, row = [], 0
     for trajectory in trajectories:
-        goal = (trajectory.get("gt") or {}).get("goal_object")
+        goal = (trajectory.gt or {}).get("goal_object")
         after_take = None
-        for number, step in enumerate(trajectory["steps"]):
-            if after_take is None and step["valid"] and goal and step["action"].startswith(f"take {goal} "):
+        for number, step in enumerate(trajectory.steps):
+            if after_take is None and step.valid and goal and step.action.startswith(f"take {goal} "):
                 after_take = number + 1
-        if after_take is not None and after_take < len(trajectory["steps"]):
+        if after_take is not None and after_take < len(trajectory.steps):
             found.append(row + after_take)
-        row += len(trajectory["steps"])
+        row += len(trajectory.steps)
     return found
 
 
@@ -464,14 +536,14 @@ def picture(run_dir, task_seed=0, max_tries=8):
     if checkpoint is None:
         sys.exit(f"error: no checkpoint in {run_dir}/checkpoints")
     policy = load_policy(checkpoint, device="cpu", dtype="float32")
-    options = envs.env_options(config["env"], config["max_steps"], config.get("data_dir"), config["out_dir"],
-                               config["seed"], config.get("task", "click-test"), config.get("miniwob_elements", False))
+    options = envs.env_options(argparse.Namespace(**{"data_dir": None, "task": "click-test",
+                                                     "miniwob_elements": False, **config}))
     max_steps = options["max_steps"]  # the env as the run had it
     env = envs.make_env(config["env"], "train", 0, **options)
     for attempt in range(max_tries):  # the picture needs a trajectory whose analysis parsed
         trajectories = seed.rollout(policy, [env], [task_seed + attempt], 1, max_steps,
-                                    config["max_new_tokens"], config["temperature"], config["history_window"],
-                                    env_name=config["env"])
+                                    envs.load(envs.spec(config["env"]).prompt), config["max_new_tokens"],
+                                    config["temperature"], config["history_window"])
         skill_list, raw = seed.analyze(policy, trajectories, config["analysis_prompt_tokens"],
                                        config["analysis_max_new_tokens"])
         if skill_list[0] is not None:
@@ -480,10 +552,10 @@ def picture(run_dir, task_seed=0, max_tries=8):
         sys.exit(f"error: the policy's analysis did not parse in {max_tries} tries (last output: {raw[0][:200]!r})")
     rows = seed.step_rows(trajectories, skill_list)
     old, teacher, _, _ = seed.rescore(policy, rows, config["temperature"])
-    delta = (teacher - old) * seed.response_mask(rows["responses"])                 # (B, R)
+    delta = (teacher - old) * seed.response_mask(rows.responses)                 # (B, R)
     scale = max(1e-6, float(delta.abs().max()))
     parts_html, parts_terminal = [], []
-    for row, response in enumerate(rows["responses"]):
+    for row, response in enumerate(rows.responses):
         spans, colored = [], []
         for position, token in enumerate(response):
             text = policy.tokenizer.decode([token])
@@ -497,7 +569,7 @@ def picture(run_dir, task_seed=0, max_tries=8):
         parts_html.append(f"<p><b>step {row + 1}</b> {''.join(spans)}</p>")
         parts_terminal.append(f"step {row + 1:2d}  {''.join(colored)}")
     trajectory = trajectories[0]
-    header = f"task: {trajectory['task']} | won: {trajectory['won']} | skill: {skill_list[0]}"
+    header = f"task: {trajectory.task} | won: {trajectory.won} | skill: {skill_list[0]}"
     page = (f"<html><body style='font-family:monospace'><h3>{html.escape(header)}</h3>"
             f"<p>green: the skill made the sampled token likelier; red: less likely (hover for delta)</p>"
             + "".join(parts_html) + "</body></html>")
@@ -515,8 +587,9 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds per algorithm")
-    p.add_argument("--algos", nargs="+", default=["seed", "grpo"], choices=["seed", "grpo"], help="algorithms")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="RL seeds per arm")
+    p.add_argument("--arms", nargs="+", default=["seed", "grpo"], choices=list(ARMS), help="what to compare "
+                   "(ARMS: train.py's flags each)")
     p.add_argument("--updates", type=int, default=10, help="RL updates per run (equal episode budgets)")
     p.add_argument("--eval-every", type=int, default=2, help="evaluate every K updates")
     p.add_argument("--root", default="out/experiment", help="one sub-folder per run, plus the table")

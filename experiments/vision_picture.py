@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import envs  # noqa: E402
 import seed  # noqa: E402
 from models.policy import load_policy  # noqa: E402
-from simulators.vision import CELL, GRID  # noqa: E402
+from simulators.vision import CELL, GRID, MAX_STEPS, PROMPT  # noqa: E402
 
 SCALE, TEXT_LINES, WRAP = 3, 12, 58  # screenshot enlargement; text lines and characters per line below a panel
 PANEL = GRID * CELL * SCALE
@@ -33,8 +33,8 @@ COLOURS = {"target": (30, 160, 60), "wrong": (220, 30, 30), "nothing": (130, 130
 def play(policy, split, tasks, max_new_tokens=48):
     """One greedy episode per task, then the policy's own skill for each: (trajectories, skills)."""
     env_list = [envs.make_env("vision", split, i) for i in range(tasks)]
-    trajectories = seed.rollout(policy, env_list, list(range(tasks)), 1, envs.DEFAULT_MAX_STEPS["vision"],
-                                max_new_tokens, 0.0, 3, env_name="vision", desc=None,
+    trajectories = seed.rollout(policy, env_list, list(range(tasks)), 1, MAX_STEPS, PROMPT, max_new_tokens, 0.0, 3,
+                                desc=None,
                                 generator=torch.Generator().manual_seed(0))
     found, raw = seed.analyze(policy, trajectories, desc=None)
     return trajectories, [skill or f"(unparsed: {text[:80]})" for skill, text in zip(found, raw)]
@@ -43,7 +43,7 @@ def play(policy, split, tasks, max_new_tokens=48):
 def clicks(trajectory):
     """[(cell, kind)] in order, from the episode's ground truth: kind "target", "wrong" (the click that failed
     the task) or "nothing" (an empty cell). Answers that were no click at all are not drawn."""
-    gt = trajectory["gt"]
+    gt = trajectory.gt
     wrong = (gt.get("mistake") or {}).get("cell")
     return [(cell, "nothing" if look is None else "wrong" if cell == wrong else "target")
             for cell, look in gt["clicked"]]
@@ -51,7 +51,7 @@ def clicks(trajectory):
 
 def panel(trajectory, skill, title):
     """(PANEL, PANEL + text) image: the episode's first screenshot with its clicks, its responses and skill."""
-    screen = trajectory["steps"][0]["prompt"].image
+    screen = trajectory.steps[0].prompt.image
     canvas = Image.new("RGB", (PANEL, PANEL + 14 * TEXT_LINES), "white")
     canvas.paste(Image.fromarray(screen).resize((PANEL, PANEL), Image.NEAREST))
     draw = ImageDraw.Draw(canvas)
@@ -61,8 +61,8 @@ def panel(trajectory, skill, title):
         radius = CELL * SCALE * (0.42 - 0.05 * index)  # a cell clicked twice shows both rings
         draw.ellipse([x - radius, y - radius, x + radius, y + radius], outline=COLOURS[kind], width=4)
         draw.text((x + radius * 0.55, y - radius), str(index + 1), fill=COLOURS[kind])
-    outcome = "won" if trajectory["won"] else "lost"
-    lines = [f"{title}: {outcome}"] + [f"{i + 1}. {step['response']}" for i, step in enumerate(trajectory["steps"])]
+    outcome = "won" if trajectory.won else "lost"
+    lines = [f"{title}: {outcome}"] + [f"{i + 1}. {step.response}" for i, step in enumerate(trajectory.steps)]
     lines.append(f"skill: {skill}")
     wrapped = [piece for line in lines for piece in textwrap.wrap(line, WRAP)][:TEXT_LINES]
     for i, line in enumerate(wrapped):
@@ -77,13 +77,13 @@ def picture(before, after, split="valid_seen", tasks=4, out="vision_clicks.png")
     for index in range(tasks):
         (first, first_skills), (second, second_skills) = played
         header = Image.new("RGB", (2 * PANEL + 10, 18), "white")
-        ImageDraw.Draw(header).text((4, 2), f"{split} task {index}: {first[index]['task']}", fill="black")
+        ImageDraw.Draw(header).text((4, 2), f"{split} task {index}: {first[index].task}", fill="black")
         row = Image.new("RGB", (2 * PANEL + 10, header.height + PANEL + 14 * TEXT_LINES), "white")
         row.paste(header, (0, 0))
         row.paste(panel(first[index], first_skills[index], "before RL"), (0, header.height))
         row.paste(panel(second[index], second_skills[index], "after RL"), (PANEL + 10, header.height))
         rows.append(row)
-        outcomes.append((first[index]["task"], first[index]["won"], second[index]["won"]))
+        outcomes.append((first[index].task, first[index].won, second[index].won))
     sheet = Image.new("RGB", (rows[0].width, sum(r.height for r in rows)), "white")
     for i, row in enumerate(rows):
         sheet.paste(row, (0, sum(r.height for r in rows[:i])))

@@ -14,7 +14,7 @@ experiments/vision_probes.py: does a fresh tiny VLM learn to see? The probes beh
         --own-recall 2:1500 3:5000 4:8000 --own-recall-until 0.8 --own-recall-restarts 5   # stages until learned
 
 Each probe builds a fresh tiny Qwen2-VL (models/tiny.py), trains it with the warm-up's SFT step
-(warmup.warm_start.supervised_step) on (screenshot + question, "<action>click K</action>") pairs and prints,
+(seed.supervised_step) on (screenshot + question, "<action>click K</action>") pairs and prints,
 every --eval-every steps, the accuracy (argmax over the K answers) and the mean probability of the right answer
 on held-out screens. The task probe clones the env's expert (acting examples only) and scores its first click
 on valid_seen and valid_unseen. Numbers move from machine to machine and with the thread count; the step at
@@ -37,7 +37,8 @@ import seed  # noqa: E402
 from experiments import recall_probe  # noqa: E402
 from loss import aggregate  # noqa: E402
 from models import tiny, vision  # noqa: E402
-from simulators.vision import COLORS, GRID, SHAPES, render  # noqa: E402
+from models.policy import parameter_groups  # noqa: E402
+from simulators.vision import COLORS, GRID, MAX_STEPS, PROMPT, SHAPES, render  # noqa: E402
 from warmup import warm_start  # noqa: E402
 
 CLIP_STATISTICS = ([0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711])
@@ -107,7 +108,7 @@ def run_hop_probe(steps=1000, items=4, vision_lr_scale=1.0, gap=0, freeze_tower=
 
     if freeze_tower:
         model.model.visual.requires_grad_(False)
-    optimizer = torch.optim.AdamW(warm_start.parameter_groups(model, 1e-3, vision_lr_scale), weight_decay=0.01,
+    optimizer = torch.optim.AdamW(parameter_groups(model, 1e-3, vision_lr_scale), weight_decay=0.01,
                                   betas=(0.9, 0.95))
     held_ids, held_inputs, held_cells = batch(random.Random(10 ** 6), 256)
     results, begin = [], time.time()
@@ -198,13 +199,14 @@ def greedy_task_scores(policy, split, count=48):
     """(greedy success, share of first clicks on a target) over the first `count` tasks of a split, played as
     train.py evaluates (one greedy episode per task, the env's step limit)."""
     env_list = [envs.make_env("vision", split, i) for i in range(count)]
-    trajectories = seed.rollout(policy, env_list, list(range(count)), 1, envs.DEFAULT_MAX_STEPS["vision"], 48, 0.0,
-                                3, env_name="vision", desc=None, generator=torch.Generator().manual_seed(0))
+    trajectories = seed.rollout(policy, env_list, list(range(count)), 1, MAX_STEPS, PROMPT, 48, 0.0, 3, desc=None,
+                                generator=torch.Generator().manual_seed(0))
+
     def first_click_right(trajectory):
-        action, targets = trajectory["steps"][0]["action"] or "", trajectory["gt"]["targets"]
+        action, targets = trajectory.steps[0].action or "", trajectory.gt["targets"]
         hit = [t for t in targets if action == f"click {t}"]
-        return bool(hit) and (trajectory["task_type"] == "click-all" or hit[0] == targets[0])
-    return (sum(t["won"] for t in trajectories) / count, sum(map(first_click_right, trajectories)) / count)
+        return bool(hit) and (trajectory.task_type == "click-all" or hit[0] == targets[0])
+    return (sum(t.won for t in trajectories) / count, sum(map(first_click_right, trajectories)) / count)
 
 
 def answer_text(prompt, k):
@@ -298,7 +300,7 @@ def run_probe(probe="colour", steps=300, batch_size=32, lr=1e-3, beta2=0.95, sha
     results, start = [], time.time()
     for step in range(1, steps + 1):
         pool = easy if step <= first_steps else train
-        loss = warm_start.supervised_step(policy, optimizer, [rng.choice(pool) for _ in range(batch_size)],
+        loss = seed.supervised_step(policy, optimizer, [rng.choice(pool) for _ in range(batch_size)],
                                           layout="padded")
         schedule.step()
         if step % eval_every == 0 or step == steps:

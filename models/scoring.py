@@ -37,6 +37,13 @@ def response_mask(responses, device="cpu"):
     return (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
 
 
+def padded_logprobs(logp_lists):
+    """Per-token log-prob lists, one per row -> (B, R) tensor, zeros past each row's end (the mask's layout)."""
+    width = max([1] + [len(row) for row in logp_lists])
+    padded = [row + [0.0] * (width - len(row)) for row in logp_lists]
+    return torch.tensor(padded, dtype=torch.float32).reshape(-1, width)  # (B, R)
+
+
 def forward_logits(model, prompts, responses, pad_id, layout="padded"):
     """Logits that predict each response token: (logits (B, R, V), targets (B, R)). padded: prompts
     left-padded, responses right-padded, position_ids = cumsum(mask) - 1, the LM head only on the
@@ -106,11 +113,11 @@ def response_logprobs(model, prompts, responses, pad_id, temperature=1.0, layout
     model.eval()
     with torch.no_grad():
         batches = micro_batches(prompts, responses, max_batch_tokens)
-        for rows in tqdm(batches, desc=desc, leave=False, disable=desc is None):
-            logp, _ = forward_logprobs(model, [prompts[i] for i in rows],
-                                       [responses[i] for i in rows], pad_id, temperature,
+        for batch in tqdm(batches, desc=desc, leave=False, disable=desc is None):
+            logp, _ = forward_logprobs(model, [prompts[i] for i in batch],
+                                       [responses[i] for i in batch], pad_id, temperature,
                                        layout)  # (b, r)
-            result[rows, :logp.shape[1]] = logp.float().cpu()
+            result[batch, :logp.shape[1]] = logp.float().cpu()
     model.train(was_training)
     return result * response_mask(responses)
 

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from models.policy import load_policy
+from models.policy import Policy, load_policy, save_policy
 from models.vision import IMAGE_PAD, VISION_END, VISION_START, VISION_TOKENS
 
 # the tiny model's chat template: string content, or Qwen2-VL's list of {"type": "image"} / {"type": "text"} parts
@@ -65,10 +65,8 @@ def build_tiny_policy(corpus, out_dir, vocab_size=2048, seed=0, **sizes):
     config = Qwen2Config(vocab_size=len(tokenizer), max_position_embeddings=4096, tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          bos_token_id=None, **{**TINY_SIZES, **sizes})
-    model = Qwen2ForCausalLM(config)
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    save_policy(Policy(Qwen2ForCausalLM(config), tokenizer), out_dir)
     return load_policy(out_dir, device="cpu", dtype="float32")
 
 
@@ -91,10 +89,8 @@ def build_tiny_vlm(corpus, out_dir, vocab_size=2048, seed=0, **sizes):
         vision_config=dict(TINY_VISION, hidden_size=text["hidden_size"]),
         image_token_id=token(IMAGE_PAD), video_token_id=token("<|video_pad|>"),
         vision_start_token_id=token(VISION_START), vision_end_token_id=token(VISION_END), tie_word_embeddings=True)
-    model = Qwen2VLForConditionalGeneration(config)
+    tokenizer.image_processor = Qwen2VLImageProcessorPil(min_pixels=TINY_PIXELS[0], max_pixels=TINY_PIXELS[1],
+                                                         image_mean=TINY_PIXEL_MEAN, image_std=TINY_PIXEL_STD)
     os.makedirs(out_dir, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    Qwen2VLImageProcessorPil(min_pixels=TINY_PIXELS[0], max_pixels=TINY_PIXELS[1], image_mean=TINY_PIXEL_MEAN,
-                             image_std=TINY_PIXEL_STD).save_pretrained(out_dir)
+    save_policy(Policy(Qwen2VLForConditionalGeneration(config), tokenizer), out_dir)
     return load_policy(out_dir, device="cpu", dtype="float32")

@@ -37,6 +37,22 @@ import zlib
 
 SPLITS = ("train", "valid_seen", "valid_unseen")
 
+# verl-agent's ALFWorld prompt (agent_system/environments/prompts/alfworld.py), spelling and spacing included,
+# shared with the real engine (adapters/alfworld.py): seed.render_prompt fills it. No task line on step 1: the
+# first observation states the task. The instruction and the history sentence are the vision env's too.
+INSTRUCTION = ("Now it's your turn to take an action.\nYou should first reason step-by-step about the current "
+               "situation. This reasoning process MUST be enclosed within <think> </think> tags. \nOnce you've "
+               "finished your reasoning, you should choose an admissible action for current step and present it "
+               "within <action> </action> tags.\n")
+HISTORY = ("Prior to this step, you have already taken {step_count} step(s). Below are the most recent "
+           "{history_length} observaitons and the corresponding actions you took: {action_history}\n"  # (sic)
+           "You are now at step {current_step} and your current observation is: {observation}")
+ACTIONS_LINE = "\nYour admissible actions of the current situation are: [{admissible_actions}].\n\n"
+HEADER = "\nYou are an expert agent operating in the ALFRED Embodied Environment."
+PROMPT = {"first": HEADER + "\nYour current observation is: {observation}" + ACTIONS_LINE + INSTRUCTION,
+          "history": HEADER + " Your task is to: {task}\n" + HISTORY + ACTIONS_LINE + INSTRUCTION,
+          "action": "'{}'", "separator": "\n ", "tags": ("action",)}
+
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
               "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
 # alfworld.gen.goal_library.gdict[task_type]["templates"]; the grammar adds the final period.
@@ -251,7 +267,7 @@ class HouseholdEnv:
         self.lamp_on, self.won, self.done, self.steps = False, False, False, 0
         self.invalid_steps, self.events = [], []
         self.start_locations = dict(self.where)
-        self._expert_plan, self._oracle, self._skip_transform = [], False, False
+        self._expert_plan, self._oracle, self._skip_transform, self._hint = [], False, False, ()
         self._commands = self._admissible_commands()
         # ALFWorld lists kinds alphabetically and, from its id mangling, each kind's numbers in descending order.
         listed = sorted(self.receptacles, key=lambda r: (kind_of(r), -int(r.rsplit(" ", 1)[1])))
@@ -391,12 +407,13 @@ class HouseholdEnv:
         return any(n >= needed for n in per_receptacle.values())
 
     # ---- expert ----
-    def expert_action(self, epsilon=0.0, rng=None, oracle=False, skip_transform=False):
+    def expert_action(self, epsilon=0.0, rng=None, oracle=False, skip_transform=False, hint=()):
         """The expert's next command; with probability epsilon a different admissible one (noisy demos).
-        oracle=True: the expert already knows where every object is (what a hindsight skill tells it).
+        oracle=True: the expert already knows where every object is. hint: receptacles it searches first, in
+        that order, before its usual ones (where a skill says the object is, rightly or not).
         skip_transform=True: a sub-optimal demonstrator's habit, it carries the object straight to the target
         without heating, cooling or cleaning it (the warm-up's failures that RL must unlearn)."""
-        self._oracle, self._skip_transform = oracle, skip_transform
+        self._oracle, self._skip_transform, self._hint = oracle, skip_transform, tuple(hint)
         best = self._expert_command()
         rng = rng or self._noise_rng
         if epsilon > 0 and rng.random() < epsilon:
@@ -418,8 +435,9 @@ class HouseholdEnv:
         return command
 
     def _search(self, kinds):
-        """Next unseen receptacle, typical kinds first in their order, then the rest of the room."""
-        ordered = [r for k in kinds for r in self.receptacles if kind_of(r) == k]
+        """Next unseen receptacle: the hinted ones, then typical kinds in their order, then the rest of the room."""
+        ordered = [r for r in self._hint if r in self.receptacles]
+        ordered += [r for k in kinds for r in self.receptacles if kind_of(r) == k and r not in ordered]
         ordered += [r for r in self.receptacles if r not in ordered]
         for receptacle in ordered:
             if receptacle not in self.observed:
@@ -469,3 +487,18 @@ class HouseholdEnv:
             plan.append(simulation._expert_command())
             simulation.step(plan[-1])
         return plan
+
+
+def expert_thought(gt, holding, transformed):
+    """The expert's short reasoning before its next command, the <think> of the demonstrations and of the habit
+    probe's responses: the current subgoal, from the goal in gt (household or ALFWorld ground truth), whether the
+    goal object is held and whether it has been heated, cooled or cleaned yet."""
+    obj = gt.get("goal_object") or "object"
+    if not holding:
+        return f"find the {obj}"
+    verb = TRANSFORMS.get(gt.get("task_type"), (None,))[0]
+    if verb and not transformed:
+        return f"{verb} the {obj}"
+    if gt.get("task_type") == "look_at_obj_in_light":
+        return "find the desklamp"
+    return f"put the {obj} in the {gt.get('goal_receptacle') or 'target'}"

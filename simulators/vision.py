@@ -32,6 +32,8 @@ import zlib
 
 import numpy as np
 
+from simulators.household import ACTIONS_LINE, HISTORY, INSTRUCTION
+
 GRID, CELL = 4, 28
 SIZE = GRID * CELL
 MAX_STEPS = 6
@@ -40,6 +42,12 @@ COLORS = {"red": (220, 40, 40), "green": (40, 160, 60), "blue": (40, 80, 220), "
 SHAPES = ("circle", "square", "triangle", "diamond", "cross")
 TASK_TYPES = ("click-color", "click-shape", "click-color-shape", "odd-one-out", "click-sequence", "click-all")
 SPLITS = ("train", "valid_seen", "valid_unseen")
+# the agent's prompt: ALFWorld's (simulators/household.py) with its own header and the task on every step, since
+# the observation never states it (ours; verl-agent has no screenshot click env)
+HEADER = "\nYou are an expert agent operating a web page from its screenshot. Your task is to: {task}\n"
+PROMPT = {"first": HEADER + "Your current observation is: {observation}" + ACTIONS_LINE + INSTRUCTION,
+          "history": HEADER + HISTORY + ACTIONS_LINE + INSTRUCTION, "action": "'{}'", "separator": "\n ",
+          "tags": ("action",)}
 ACTIONS = tuple(f"click {i}" for i in range(1, GRID * GRID + 1))
 BACKGROUND, LINE, LABEL = 255, 215, 0
 # 3x5 pixel digits for the cell numbers drawn (at double size) in each cell's top-left corner
@@ -267,6 +275,51 @@ def ascii_screen(image):
     screen = read_screen(image)
     return "\n".join(" ".join(f"{screen[c][0][:2]}-{screen[c][1][:3]}" if c in screen else "  .   "
                               for c in range(r * GRID, (r + 1) * GRID)) for r in range(GRID))
+
+
+# ---------------------------------------------------------------------- stage-1 annotation
+
+def annotate(trajectory, gt, rng):
+    """The stage-1 hindsight annotator of this env (envs.py names it): vision_annotations' summary and one of its
+    skills, drawn by rng (a random.Random)."""
+    summary, options = vision_annotations(gt)
+    return summary, rng.choice(options)
+
+
+def names_fix(trajectory, skill):
+    """Whether a skill about a failed episode names its fix (the self-analysis probe's "fixing skills"): the cell
+    of the wrong click that ended it, or, after invalid answers, the click format. None for a success and for a
+    failure on empty cells (its text shows no fix); False for a skill that did not parse."""
+    gt = trajectory.gt or {}
+    if trajectory.won or not (gt.get("mistake") or gt.get("invalid_steps")):
+        return None
+    if not skill:
+        return False
+    return f"cell {gt['mistake']['cell']}" in skill.lower() if gt.get("mistake") else "click" in skill.lower()
+
+
+def vision_annotations(gt):
+    """(summary, the skills the annotator may write) for a screenshot click episode's gt: only what the episode's
+    text shows, for a success the target cells, for a failure the cell clicked wrongly or in vain. Not where a
+    missed target was nor what an item looked like: an analyzer that reads the screen no better than the policy
+    could only guess those, and a teacher given a guess pushes towards it (docs/vision.md)."""
+    targets = " then ".join(f"cell {c}" for c in gt["targets"])
+    clicks = [f"cell {c}" for c, _ in gt["clicked"]] or ["nothing"]
+    if gt["won"]:  # the cells, not their looks: the text shows which clicks made an item disappear, not its colour
+        return (f"The agent solved '{gt['task']}' by clicking {', '.join(clicks)}.",
+                [f"For '{gt['task']}' the targets were {targets}; find them by colour and shape.",
+                 f"'{gt['task']}': click {targets}; read colour and shape before each click."])
+    mistake = gt.get("mistake")
+    if mistake:
+        return (f"The agent failed '{gt['task']}': it clicked cell {mistake['cell']}, a wrong item.",
+                [f"Mistake: cell {mistake['cell']} was not what '{gt['task']}' asks for; check colour and shape "
+                 "before clicking.",
+                 f"Avoid cell {mistake['cell']}: the wrong item for '{gt['task']}'. Click only an item whose colour "
+                 "and shape match."])
+    what = "invalid actions" if gt.get("invalid_steps") else "empty cells"
+    return (f"The agent failed '{gt['task']}': it used its steps on {what} ({', '.join(clicks)}).",
+            [f"Answer 'click N' with the cell of the item '{gt['task']}' names, not {what}.",
+             f"Do not waste steps on {what} ({', '.join(clicks)}); find the item the task names and click its cell."])
 
 
 if __name__ == "__main__":

@@ -7,4 +7,4 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from test_seed import one_thread, tiny, trajectories  # noqa: E402,F401  (shared fixtures: one thread, the tiny model)
+from test_seed import one_thread, out_dir_of_the_tests, tiny, trajectories  # noqa: E402,F401  (shared fixtures)

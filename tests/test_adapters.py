@@ -27,11 +27,16 @@ import skills
 from adapters import alfworld, webshop
 from adapters import alfworld_games as game_generator  # (alfworld_games is a fixture here)
 from adapters.alfworld import AlfworldEnv, EnvUnavailable
+from annotators import text_worlds
 from adapters.alfworld_games import generate_games
 from adapters.webshop import HELD_OUT_CATEGORY, TYPE_WORDS, WebshopEnv, WebshopUnavailable, build_catalogue
 from models.tiny import build_tiny_policy
 from test_seed import final_weights, max_diff, numbers, read_lines, run_train
-from warmup.annotator import annotate
+
+
+def annotate(trajectory, gt=None):
+    """The text annotator's (summary, skill) as the JSON stage 1 trains on."""
+    return skills.skill_json(*text_worlds.annotate(trajectory, gt))
 
 
 # =============================================================================
@@ -118,9 +123,9 @@ def test_planner_wins_every_task_type_through_adapter(alfworld_data):
     root, paths = alfworld_data
     env = AlfworldEnv("train", data_dir=root, expert_plan=True)
     assert env.game_files == sorted(paths)
-    for seed in range(len(alfworld.TASK_TYPES)):
-        first_obs, first_info, rewards, info = play_plan(env, seed)
-        gamefile = env.game_files[seed]
+    for task_seed in range(len(alfworld.TASK_TYPES)):
+        first_obs, first_info, rewards, info = play_plan(env, task_seed)
+        gamefile = env.game_files[task_seed]
         assert first_obs.startswith("-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room.")
         assert f"Your task is to: {first_info['task']}" in first_obs and first_info["task"].endswith(".")
         assert first_info["task_type"] == os.path.basename(os.path.dirname(os.path.dirname(gamefile))).split("-")[0]
@@ -224,8 +229,11 @@ def test_train_alfworld_default_tiny_on_generated_games(tmp_path, capsys, monkey
 def test_stage1_sft_on_alfworld(tiny, alfworld_games, tmp_path, capsys):
     """--stage sft for a (local) HF model on --env alfworld: analyzer SFT, saved as a loadable folder."""
     run_train("--env", "alfworld", "--data-dir", alfworld_games, "--model", tiny[1], "--stage", "sft",
-              "--sft-steps", 1, "--sft-batch-size", 2, "--sft-lr", 1e-3, "--out-dir", tmp_path / "out")
-    assert "stage 1 done" in capsys.readouterr().out
+              "--sft-tasks", 2, "--sft-rollouts", 2, "--tasks-per-update", 2, "--sft-epochs", 1, "--max-steps", 3,
+              "--max-new-tokens", 8, "--analysis-prompt-tokens", 1024, "--analysis-max-new-tokens", 16,
+              "--sft-batch-size", 2, "--sft-lr", 1e-3, "--out-dir", tmp_path / "out")
+    output = capsys.readouterr().out
+    assert "stage 1 done" in output and "stage 1: 4 trajectories collected, 4 kept, 0 dropped" in output, output
     trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out" / "sft"))
     moved = max(max_diff(a, b) for a, b in zip(tiny[0].model.parameters(), trained.parameters()))
     assert moved > 1e-5, f"stage 1 left the weights unchanged (max change {moved})"
@@ -583,19 +591,19 @@ def test_default_env_starts_the_mini_server_once_and_says_so(monkeypatch, capsys
 
 def webshop_expert_trajectory(env, task_seed, epsilon, rng):
     obs, info = env.reset(task_seed)
-    trajectory = {"task": info["task"], "task_type": info["task_type"], "won": False, "reward": 0.0, "steps": []}
+    trajectory = seed.Trajectory(task=info["task"], task_type=info["task_type"])
     done = False
     while not done:
         action = env.expert_action(epsilon, rng)
         response = f"<think>mini_shop for the goal</think><action>{action}</action>"
-        prompt = seed.render_prompt(info["task"], [(s["observation"], s["action"]) for s in trajectory["steps"]], obs,
-                                    info["admissible"], 3, env_name="webshop")
+        prompt = skills.render_prompt(webshop.PROMPT, info["task"], [(s.observation, s.action) for s in trajectory.steps],
+                                    obs, info["admissible"], 3)
         before = obs
         obs, reward, done, info = env.step(action)
-        trajectory["steps"].append({"observation": before, "action": action, "response": response,
-                                    "reward": reward, "valid": info["valid"], "prompt": prompt})
-        trajectory["reward"] += reward
-    trajectory["won"], trajectory["gt"] = info["won"], info["gt"]
+        trajectory.steps.append(seed.Step(observation=before, action=action, response=response, reward=reward,
+                                          valid=info["valid"], prompt=prompt))
+        trajectory.reward += reward
+    trajectory.won, trajectory.gt = info["won"], info["gt"]
     return trajectory
 
 
@@ -603,20 +611,20 @@ def test_annotator_and_analyzer_take_webshop_trajectories(mini_shop):
     env, rng = WebshopEnv("train", 0, max_steps=6), random.Random(0)
     epsilons = [0.0, 0.0, 0.7, 0.7, 1.0]
     trajectories = [webshop_expert_trajectory(env, s, epsilon, rng) for s, epsilon in enumerate(epsilons)]
-    assert any(t["won"] for t in trajectories) and not all(t["won"] for t in trajectories)
+    assert any(t.won for t in trajectories) and not all(t.won for t in trajectories)
     for t in trajectories:
-        gt = t["gt"]
+        gt = t.gt
         assert {"env", "task_type", "task", "won", "steps", "max_steps", "invalid_steps", "goal_object", "goal",
                 "purchased", "score", "mistakes"} <= set(gt), sorted(gt)
-        assert gt["won"] == t["won"] and (gt["mistakes"] == []) == t["won"], gt["mistakes"]
+        assert gt["won"] == t.won and (gt["mistakes"] == []) == t.won, gt["mistakes"]
         completion = json.loads(annotate(t, gt))
-        assert set(completion) == {"episode_summary", "episode_skill"} and t["task"] in completion["episode_summary"]
+        assert set(completion) == {"episode_summary", "episode_skill"} and t.task in completion["episode_summary"]
         prompt = skills.analyzer_prompt(t)
-        assert prompt.count("Step ") >= len(t["steps"]) and t["task"] in prompt
-    teacher = skills.with_skill(trajectories[0]["steps"][0]["prompt"], WEBSHOP_SKILL)
-    first_step = seed.WEBSHOP[:seed.WEBSHOP.index("{task}.") + len("{task}.")]  # verl-agent's WebShop template
-    assert teacher.startswith(first_step.format(space=" ", task=trajectories[0]["task"]) + "\n\n"
-                              + skills.SKILL_HEADER), teacher[:300]
+        assert prompt.count("Step ") >= len(t.steps) and t.task in prompt
+    teacher = skills.with_skill(trajectories[0].steps[0].prompt, WEBSHOP_SKILL)
+    first = webshop.PROMPT["first"]  # verl-agent's WebShop template
+    first_step = first[:first.index("{task}.") + len("{task}.")]
+    assert teacher.startswith(first_step.format(task=trajectories[0].task) + "\n\n" + skills.SKILL_HEADER), teacher[:300]
 
 
 def test_one_seed_update_on_the_mini_webshop(mini_shop, tmp_path):
@@ -626,17 +634,17 @@ def test_one_seed_update_on_the_mini_webshop(mini_shop, tmp_path):
     try:
         demo_env, rng = WebshopEnv("train", 0), random.Random(0)
         demos = [webshop_expert_trajectory(demo_env, s, 0.3, rng) for s in range(6)]
-        corpus = [s["prompt"] + s["response"] for t in demos for s in t["steps"]]
+        corpus = [s.prompt + s.response for t in demos for s in t.steps]
         corpus += [skills.analyzer_prompt(t) + annotate(t) for t in demos]
         policy = build_tiny_policy(corpus, str(tmp_path), seed=0, **WEBSHOP_TINY)
         start = time.perf_counter()
         train_envs = [envs.make_env("webshop", "train", i, max_steps=4) for i in range(4)]
-        trajectories = seed.rollout(policy, train_envs, [5, 6], group_size=2, max_steps=4, max_new_tokens=12,
-                                    env_name="webshop", generator=torch.Generator().manual_seed(0))
-        assert [t["group"] for t in trajectories] == [0, 0, 1, 1]
-        assert all(t["gt"] is not None and 1 <= len(t["steps"]) <= 4 for t in trajectories)
-        header = seed.WEBSHOP[:seed.WEBSHOP.index("{space}")]
-        assert all(s["prompt"].startswith(header) for t in trajectories for s in t["steps"])
+        trajectories = seed.rollout(policy, train_envs, [5, 6], group_size=2, max_steps=4, template=webshop.PROMPT,
+                                    max_new_tokens=12, generator=torch.Generator().manual_seed(0))
+        assert [t.group for t in trajectories] == [0, 0, 1, 1]
+        assert all(t.gt is not None and 1 <= len(t.steps) <= 4 for t in trajectories)
+        header = webshop.PROMPT["first"][:webshop.PROMPT["first"].index("environment.")]
+        assert all(s.prompt.startswith(header) for t in trajectories for s in t.steps)
         parsed, texts = seed.analyze(policy, trajectories, max_new_tokens=16)
         assert len(parsed) == len(texts) == 4
         skill_list = [p or WEBSHOP_SKILL for p in parsed]  # a random model parses none: a fixed skill tests the teacher
@@ -645,11 +653,11 @@ def test_one_seed_update_on_the_mini_webshop(mini_shop, tmp_path):
         advantages = seed.step_advantages(trajectories, rows, stats="trajectories")  # (B,)
         before = [p.detach().clone() for p in policy.model.parameters()]
         optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-3, weight_decay=0.0)
-        metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages, old,
+        metrics, skipped = seed.policy_update(policy, optimizer, rows.prompts, rows.responses, advantages, old,
                                               teacher, ref, has_teacher)
         elapsed = time.perf_counter() - start
         print(f"\none SEED update on the mini WebShop (2 tasks x 2, 4 steps): {elapsed:.2f}s, "
-              f"{len(rows['prompts'])} rows")
+              f"{len(rows.prompts)} rows")
         assert skipped is None and all(math.isfinite(v) for v in metrics.values()), (skipped, metrics)
         assert bool(has_teacher.all()) and old.shape == teacher.shape, (has_teacher, old.shape, teacher.shape)
         change = max((b - p.detach()).abs().max().item() for b, p in zip(before, policy.model.parameters()))

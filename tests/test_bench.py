@@ -28,7 +28,7 @@ def test_packed_logits_run_varlen_attention_and_restore_the_model(tiny, trajecto
     original = packing.varlen_attention
     monkeypatch.setattr(packing, "varlen_attention", lambda *a, **k: (calls.append(k["cu_seq_lens_q"].tolist()),
                                                                    original(*a, **k))[1])
-    full = trajectories[0]["steps"][-1]["prompt_ids"]
+    full = trajectories[0].steps[-1].prompt_ids
     prompts, responses = [full[:50], full, full[:9]], [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
     implementation = policy.model.config._attn_implementation
     packed, _ = seed.forward_logprobs(policy.model, prompts, responses, policy.pad_id, 0.8, "packed")
@@ -50,13 +50,13 @@ def test_forward_logprobs_packed_gradient_equals_padded(tiny, trajectories):
     """The flat packed scoring (no (B, R, V) tensor) gives the padded layout's log-probs, entropies and gradient."""
     policy, _ = tiny
     rows = seed.step_rows(trajectories)
-    weights = torch.randn(seed.response_mask(rows["responses"]).shape, generator=torch.Generator().manual_seed(7))
+    weights = torch.randn(seed.response_mask(rows.responses).shape, generator=torch.Generator().manual_seed(7))
     results = {}
     for layout in ("padded", "packed"):
         model = copy.deepcopy(policy.model)
-        logp, entropy = seed.forward_logprobs(model, rows["prompts"], rows["responses"], policy.pad_id, 0.7, layout,
+        logp, entropy = seed.forward_logprobs(model, rows.prompts, rows.responses, policy.pad_id, 0.7, layout,
                                               entropy=True)
-        mask = seed.response_mask(rows["responses"])
+        mask = seed.response_mask(rows.responses)
         ((logp * weights * mask).sum() + (entropy * mask).sum()).backward()
         results[layout] = (logp * mask, entropy * mask, [p.grad.clone() for p in model.parameters()])
     (a, b) = results["padded"], results["packed"]

@@ -5,6 +5,7 @@ the ranks is one clear error.
 
     python -m pytest -q tests/test_distributed.py
 """
+import dataclasses
 import subprocess
 import sys
 import time
@@ -34,7 +35,7 @@ def recording_rollout(*args, **kwargs):
     trajectories = rollout(*args, **kwargs)
     if kwargs.get("desc", "rollout") == "rollout":  # not an evaluation
         for trajectory in trajectories:
-            trajectory["steps"] = trajectory["steps"][:len(trajectory["steps"]) - int(os.environ["RANK"])]
+            trajectory.steps = trajectory.steps[:len(trajectory.steps) - int(os.environ["RANK"])]
         record["trajectories"] = trajectories
     return trajectories
 
@@ -83,7 +84,7 @@ def test_two_rank_update_equals_one_process(tiny, tmp_path):
 
     # one process: the same update on the union of both ranks' rollouts (rank 1's task is group 1)
     cfg = train.get_config([str(f) for f in flags], check=False)  # (its --out-dir now holds the run)
-    trajectories = ranks[0]["trajectories"] + [dict(t, group=t["group"] + 1) for t in ranks[1]["trajectories"]]
+    trajectories = ranks[0]["trajectories"] + [dataclasses.replace(t, group=t.group + 1) for t in ranks[1]["trajectories"]]
     skill_list = ranks[0]["skills"] + ranks[1]["skills"]
 
     def one_process_update(max_batch_tokens):
@@ -95,7 +96,7 @@ def test_two_rank_update_equals_one_process(tiny, tmp_path):
         optimizer = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         grads = []
         optimizer.register_step_pre_hook(lambda *_: grads.extend(p.grad.clone() for p in policy.model.parameters()))
-        metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages,
+        metrics, skipped = seed.policy_update(policy, optimizer, rows.prompts, rows.responses, advantages,
                                               None, teacher, None, has_teacher,
                                               dict(distill_coef=cfg.distill_coef, distill_mode=cfg.distill_mode,
                                                    entropy_coef=cfg.entropy_coef), max_batch_tokens=max_batch_tokens)
@@ -111,13 +112,13 @@ def test_two_rank_update_equals_one_process(tiny, tmp_path):
     weight_diff = max(max_diff(a, b) for a, b in zip(weights, saved.parameters()))
     moved = weight_change(snapshot(load_policy(tiny[1]).model), saved)
     metric_diff = max(abs(metrics[k] - record[k]) for k in metrics)
-    tokens = [sum(len(s["response_ids"]) for t in r["trajectories"] for s in t["steps"]) for r in ranks]
+    tokens = [sum(len(s.response_ids) for t in r["trajectories"] for s in t.steps) for r in ranks]
     print(f"\ntorchrun 2 ranks (gloo), one update: {seconds:.1f}s; response tokens per rank {tokens}; rank 0 vs "
           f"rank 1: max weight diff {rank_diff:.2e}; 2 ranks vs 1 process: gradient max diff {grad_diff:.2e} of its "
           f"largest entry (1 process, micro-batches of one row vs one batch: {layout_noise:.2e}), weights after "
           f"AdamW {weight_diff:.2e} (moved up to {moved:.2e}), loss metrics {metric_diff:.2e}")
     assert rank_diff == 0.0, f"the ranks hold different weights: max diff {rank_diff}"
-    assert record["skipped"] is None and record["rows"] == sum(len(t["steps"]) for t in trajectories), record
+    assert record["skipped"] is None and record["rows"] == sum(len(t.steps) for t in trajectories), record
     assert record["teacher_token_share"] > 0 and tokens[0] != tokens[1], (record, tokens)
     assert moved > 1e-4, f"the update barely moved the weights ({moved}): the comparison would prove nothing"
     assert grad_diff < 1e-4, f"2 ranks step with another gradient than 1 process: max diff {grad_diff} (relative)"

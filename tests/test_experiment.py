@@ -69,9 +69,14 @@ def test_probes_measure_a_model(tiny):
     """--probes on a model folder: the habit probe and the skill lift on both splits, and the fixing-skill
     share over sampled heat/cool/clean episodes (None when none failed the habit's way)."""
     found = experiment.probes(tiny[1], episodes=2, max_steps=3)
-    assert set(found) == {"habit valid_seen", "habit valid_unseen", "skill lift valid_seen",
-                          "skill lift valid_unseen", "fixing skill share", "habit failures"}
-    assert 0 <= found["habit valid_seen"] <= 1 and -1 <= found["skill lift valid_unseen"] <= 1
+    controls = {f"skill lift {split}, {name} skill" for split in ("valid_seen", "valid_unseen")
+                for name in ("own", "shuffled", "generic")}
+    gaps = {f"own minus {name} lift {split}: mean, std, decisions where own is higher"
+            for split in ("valid_seen", "valid_unseen") for name in ("shuffled", "generic")}
+    assert set(found) == {"habit valid_seen", "habit valid_unseen", "fixing skill share", "habit failures"} \
+        | controls | gaps, sorted(found)
+    assert 0 <= found["habit valid_seen"] <= 1 and -1 <= found["skill lift valid_unseen, own skill"] <= 1
+    assert found["own minus generic lift valid_seen: mean, std, decisions where own is higher"].endswith("of 48")
 
 
 def test_screen_skill_checks_tell_guessed_cells_from_shown_ones():
@@ -120,7 +125,7 @@ def shipped():
 
 
 def test_evaluate_models_reads_finished_models_again(shipped):
-    """--evaluate: the shipped warm-start evaluated by train.evaluate on 2 tasks per split, sampled."""
+    """--evaluate: the shipped warm-start evaluated by evaluation.evaluate on 2 tasks per split, sampled."""
     rows = experiment.evaluate_models([shipped], temperature=0.4, tasks=2)
     assert len(rows) == 1 and rows[0]["temperature"] == 0.4
     for split in ("valid_seen", "valid_unseen"):

@@ -5,6 +5,7 @@ flags, corrupt checkpoints and stage-1 data.
 
     python -m pytest -q tests/test_reliability.py
 """
+import dataclasses
 import itertools
 import json
 import math
@@ -28,9 +29,9 @@ import train
 from test_seed import (REPO, SKILL, SUBPROCESS_ENV, TRAIN_FLAGS, final_weights, finite, fresh, max_diff, numbers,
                        read_lines, run_train, snapshot, update, weight_change)
 from models.policy import load_policy
+from simulators.household import PROMPT
 from training import checkpoints, logs
 from training.flags import check_context_window
-from warmup import warm_start
 
 
 # ----------------------------------------------------------------------------- kill and resume
@@ -239,8 +240,9 @@ def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tiny, tmp_path, 
     matched, report = 0, []
     for number, (kill_at, kill_on_line) in enumerate(chain):
         # --resume continues the latest checkpoint; before the first one there is none, and the run starts over
+        # (--overwrite: the killed run left its config and logs)
         resume = number > 0 and checkpoints.latest_checkpoint(str(out)) is not None
-        args = flags + ["--out-dir", out] + (["--resume"] if resume else [])
+        args = flags + ["--out-dir", out] + (["--resume"] if resume else ["--overwrite"] if number else [])
         if kill_on_line:  # the one kill from outside, of `python train.py` itself
             code, output = train_process(tmp_path, args, kill_on_line=kill_on_line)
         else:
@@ -374,23 +376,23 @@ def test_fuzz_rollout_and_analysis_with_thousands_of_hostile_strings(tiny, monke
         monkeypatch.setattr(seed, "sample", sampler)
         train_envs = [envs.make_env(env_name, "train", i, max_steps=max_steps) for i in range(n_envs)]
         task_seeds = [rng.randrange(10 ** 6) for _ in range(n_envs // 4)]
-        trajectories = seed.rollout(policy, train_envs, task_seeds, 4, max_steps, max_new_tokens=100_000,
-                                    env_name=env_name, max_prompt_tokens=512)
-        steps = [s for t in trajectories for s in t["steps"]]
-        assert len(steps) == len(sampler.sent) and not any(t.get("dropped") for t in trajectories)
+        trajectories = seed.rollout(policy, train_envs, task_seeds, 4, max_steps, envs.load(envs.spec(env_name).prompt),
+                                    max_new_tokens=100_000, max_prompt_tokens=512)
+        steps = [s for t in trajectories for s in t.steps]
+        assert len(steps) == len(sampler.sent) and not any(t.dropped for t in trajectories)
         for step in steps:
-            action = seed.parse_action(step["response"])
-            assert step["action"] == (action or "") and (step["valid"] is False if action is None else True), step
-            assert step["response_ids"] and len(step["sampled_logp"]) == len(step["response_ids"]), step
-            assert len(step["prompt_ids"]) <= 512
-            if step["truncated"]:  # cut predictably: the last 512 tokens of the whole prompt
-                assert step["prompt_ids"] == seed.encode_chat(policy.tokenizer, step["prompt"])[-512:]
+            action = skills.parse_action(step.response)
+            assert step.action == (action or "") and (step.valid is False if action is None else True), step
+            assert step.response_ids and len(step.sampled_logp) == len(step.response_ids), step
+            assert len(step.prompt_ids) <= 512
+            if step.truncated:  # cut predictably: the last 512 tokens of the whole prompt
+                assert step.prompt_ids == seed.encode_chat(policy.tokenizer, step.prompt)[-512:]
         counts["responses"] += len(steps)
-        counts["invalid"] += sum(not s["valid"] for s in steps)
+        counts["invalid"] += sum(not s.valid for s in steps)
         all_trajectories += trajectories
     # analysis: the real path (analyzer prompts on a token budget, built from the hostile trajectories), then the
     # bulk of the hostile analyzer outputs on copies of a 2-step trajectory (its prompt is cheap to build)
-    short = dict(all_trajectories[0], steps=all_trajectories[0]["steps"][:2])
+    short = dataclasses.replace(all_trajectories[0], steps=all_trajectories[0].steps[:2])
     for batch in (rng.sample(all_trajectories, 24), [short] * 1200):
         analyses = hostile_analyses(rng, len(batch))
         monkeypatch.setattr(seed, "sample", HostileSampler(policy, analyses))
@@ -399,11 +401,11 @@ def test_fuzz_rollout_and_analysis_with_thousands_of_hostile_strings(tiny, monke
             assert skill is None or (isinstance(skill, str) and 20 <= len(skill) <= skills.MAX_SKILL_CHARS
                                      and "\n" not in skill and "<|" not in skill and skill.isprintable()), skill
         rows = seed.step_rows(batch, skill_list)
-        steps = [(skill, step) for skill, t in zip(skill_list, batch) for step in t["steps"]]
-        for (skill, step), student, teacher in zip(steps, rows["prompts"], rows["teacher_prompts"]):
-            assert student is step["prompt_ids"] and (teacher is None) == (skill is None or step["truncated"])
+        steps = [(skill, step) for skill, t in zip(skill_list, batch) for step in t.steps]
+        for (skill, step), student, teacher in zip(steps, rows.prompts, rows.teacher_prompts):
+            assert student is step.prompt_ids and (teacher is None) == (skill is None or step.truncated)
             # the skill goes into the teacher context only, once, whatever fake skill blocks the model wrote
-            assert teacher is None or teacher.count(skills.SKILL_HEADER) == step["prompt"].count(skills.SKILL_HEADER) + 1
+            assert teacher is None or teacher.count(skills.SKILL_HEADER) == step.prompt.count(skills.SKILL_HEADER) + 1
         counts["analyses"] += len(batch)
         counts["no_skill"] += sum(s is None for s in skill_list)
         counts["skills"] += sum(s is not None for s in skill_list)
@@ -429,7 +431,7 @@ def test_hostile_policy_through_train_keeps_training_and_logs_counts(tiny, tmp_p
         assert m["invalid_steps"] > 0 and m["parse_failures"] > 0 and m["truncated_rows"] > 0, m
     model, _ = final_weights(str(tmp_path / "out"))
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    print(f"\nhostile policy through train.py: " + "; ".join(
+    print("\nhostile policy through train.py: " + "; ".join(
         f"update {m['update']}: {m['invalid_steps']}/{m['rows']} invalid steps, {m['parse_failures']} parse failures, "
         f"{m['truncated_rows']} truncated prompts" for m in metrics))
 
@@ -449,17 +451,17 @@ def test_nan_logits_neither_crash_sampling_nor_reach_the_weights(tiny, trajector
     cause and leaves weights and optimizer untouched; a supervised step (warm-up, stage 1) skips its step too."""
     policy = fresh(tiny[0])
     handle = policy.model.lm_head.register_forward_hook(nan_logits)
-    prompts = [s["prompt_ids"] for t in trajectories for s in t["steps"]][:4]
+    prompts = [s.prompt_ids for t in trajectories for s in t.steps][:4]
     responses, logps = seed.sample(policy, prompts, 5, temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert all(0 <= i < len(policy.tokenizer) for r in responses for i in r) and all(
         math.isfinite(x) for lp in logps for x in lp), (responses, logps)
     before = snapshot(policy.model)
     rows = seed.step_rows(trajectories)
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[torch.tensor(rows["trajectory"]) % 4]  # (B,)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])[torch.tensor(rows.trajectory) % 4]  # (B,)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-2)
-    metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages, None)
+    metrics, skipped = seed.policy_update(policy, optimizer, rows.prompts, rows.responses, advantages, None)
     assert skipped and "non-finite" in skipped and not optimizer.state, (skipped, metrics)
-    warm_start.supervised_step(policy, optimizer, [("a prompt", "<action>look</action>")])
+    seed.supervised_step(policy, optimizer, [("a prompt", "<action>look</action>")])
     handle.remove()
     assert weight_change(before, policy.model) == 0.0 and not optimizer.state
     print(f"\nNaN logits: sampling ran, update skipped: {skipped}")
@@ -477,12 +479,12 @@ def test_non_finite_inputs_skip_the_update_naming_the_input(tiny, trajectories, 
     inputs[which][1, ...] = value
     before = snapshot(policy.model)
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-2)
-    metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], inputs["advantages"],
+    metrics, skipped = seed.policy_update(policy, optimizer, rows.prompts, rows.responses, inputs["advantages"],
                                           inputs["old"], inputs["teacher"], inputs["ref"], has_teacher,
                                           {"distill_coef": 0.1, "kl_coef": 0.1})
     name = {"old": "old log-probs", "teacher": "teacher log-probs", "ref": "reference log-probs",
             "advantages": "advantages"}[which]
-    assert skipped == f"non-finite {name} in 1 of {len(rows['prompts'])} rows", skipped
+    assert skipped == f"non-finite {name} in 1 of {len(rows.prompts)} rows", skipped
     assert weight_change(before, policy.model) == 0.0 and metrics == {}
 
 
@@ -490,13 +492,14 @@ def test_equal_rewards_and_failed_analyses_give_finite_plain_updates(tiny, traje
     """A group whose rewards are all equal has advantage exactly 0 (no NaN from a zero std) and moves nothing;
     a batch where every analysis failed updates exactly as plain GRPO."""
     policy = fresh(tiny[0])
-    tied = [dict(t, reward=1.0, steps=[dict(s, penalty=0.0) for s in t["steps"]]) for t in trajectories]
+    tied = [dataclasses.replace(t, reward=1.0, steps=[dataclasses.replace(s, penalty=0.0) for s in t.steps])
+            for t in trajectories]
     advantages = seed.step_advantages(tied, seed.step_rows(tied), stats="trajectories")  # (B,)
-    assert torch.equal(advantages, torch.zeros(sum(len(t["steps"]) for t in tied))), advantages
+    assert torch.equal(advantages, torch.zeros(sum(len(t.steps) for t in tied))), advantages
     before = snapshot(policy.model)
     metrics, skipped, _, _ = update(policy, tied)
     assert skipped is None and finite(metrics) and metrics["grad_norm"] == 0.0 and weight_change(before, policy.model) == 0
-    varied = [dict(t, reward=float(i)) for i, t in enumerate(trajectories)]
+    varied = [dataclasses.replace(t, reward=float(i)) for i, t in enumerate(trajectories)]
     failed, plain = fresh(tiny[0]), fresh(tiny[0])
     torch.manual_seed(0)
     metrics_failed, skipped, _, has_teacher = update(failed, varied, [None] * len(varied), distill_coef=1.0)
@@ -513,18 +516,18 @@ def test_prompts_past_the_budget_are_cut_predictably_with_the_mask_right(tiny):
     teacher context; and a budget past the model's context window is one clear error."""
     policy, _ = tiny
     train_envs = [envs.make_env("household", "train", i, max_steps=4) for i in range(4)]
-    trajectories = seed.rollout(policy, train_envs, [3, 4], 2, 4, max_new_tokens=10, history_window=3,
+    trajectories = seed.rollout(policy, train_envs, [3, 4], 2, 4, PROMPT, max_new_tokens=10, history_window=3,
                                 max_prompt_tokens=120, generator=torch.Generator().manual_seed(0))
-    steps = [s for t in trajectories for s in t["steps"]]
-    assert all(s["truncated"] for s in steps)  # a household prompt is ~300 tokens
+    steps = [s for t in trajectories for s in t.steps]
+    assert all(s.truncated for s in steps)  # a household prompt is ~300 tokens
     for s in steps:
-        assert s["prompt_ids"] == seed.encode_chat(policy.tokenizer, s["prompt"])[-120:]
+        assert s.prompt_ids == seed.encode_chat(policy.tokenizer, s.prompt)[-120:]
     rows = seed.step_rows(trajectories, [SKILL] * len(trajectories))
-    assert rows["teacher_prompts"] == [None] * len(steps)
-    mask = seed.response_mask(rows["responses"])
-    assert mask.sum() == sum(len(s["response_ids"]) for s in steps)
-    rescored = seed.response_logprobs(policy.model, rows["prompts"], rows["responses"], policy.pad_id)
-    diff = max(max_diff(rescored[i, :len(s["sampled_logp"])], torch.tensor(s["sampled_logp"])) for i, s in enumerate(steps))
+    assert rows.teacher_prompts == [None] * len(steps)
+    mask = seed.response_mask(rows.responses)
+    assert mask.sum() == sum(len(s.response_ids) for s in steps)
+    rescored = seed.response_logprobs(policy.model, rows.prompts, rows.responses, policy.pad_id)
+    diff = max(max_diff(rescored[i, :len(s.sampled_logp)], torch.tensor(s.sampled_logp)) for i, s in enumerate(steps))
     assert diff < 1e-4 and (rescored * (1 - mask)).abs().max() == 0, diff
     cfg = train.get_config(["--max-prompt-tokens", "4090", "--max-new-tokens", "48"])
     with pytest.raises(ValueError, match="--max-prompt-tokens 4090 \\+ --max-new-tokens 48 exceed the model's context "
@@ -579,17 +582,17 @@ def test_failing_env_is_rebuilt_and_its_trajectory_dropped(tiny, fail_on, mode):
 
     train_envs = [envs.make_env("household", "train", i, max_steps=5) for i in range(4)]
     broken = train_envs[2] = FailingEnv(fail_on, at=1 if fail_on == "reset" else 2, mode=mode)
-    trajectories = seed.rollout(policy, train_envs, [7, 8], 2, 5, max_new_tokens=6, env_factory=factory,
+    trajectories = seed.rollout(policy, train_envs, [7, 8], 2, 5, PROMPT, max_new_tokens=6, env_factory=factory,
                                 env_timeout=0.3, generator=torch.Generator().manual_seed(0))
-    dropped = [t.get("dropped") for t in trajectories]
+    dropped = [t.dropped for t in trajectories]
     assert dropped[:2] == [None, None] and dropped[3] is None and dropped[2], dropped
     assert {"hang": "no answer within 0.3 s", "raise": "ConnectionError", "browser": "the browser died"}[mode] in dropped[2]
     # every mode, a lost browser too (envs.step_env makes it an EnvFailure): closed, rebuilt, the others untouched
     assert broken.closed and built == [2] and train_envs[2] is not broken
-    assert all(len(t["steps"]) >= 1 for i, t in enumerate(trajectories) if i != 2)
-    again = seed.rollout(policy, train_envs, [7, 8], 2, 5, max_new_tokens=6, env_factory=factory, env_timeout=0.3,
+    assert all(len(t.steps) >= 1 for i, t in enumerate(trajectories) if i != 2)
+    again = seed.rollout(policy, train_envs, [7, 8], 2, 5, PROMPT, max_new_tokens=6, env_factory=factory, env_timeout=0.3,
                          generator=torch.Generator().manual_seed(0))
-    assert not any(t.get("dropped") for t in again)  # the rebuilt env plays on
+    assert not any(t.dropped for t in again)  # the rebuilt env plays on
     print(f"\nenv that fails on {fail_on} ({mode}): dropped with reason {dropped[2]!r}")
 
 
@@ -639,7 +642,8 @@ def test_env_failures_in_train_are_logged_and_the_run_goes_on(tiny, tmp_path, mo
     (["--entropy-coef", "-1"], "--entropy-coef"), (["--distill-coef", "-1"], "--distill-coef"),
     (["--invalid-penalty", "-0.1"], "--invalid-penalty"), (["--weight-decay", "-1"], "--weight-decay"),
     (["--analysis-temperature", "-1"], "--analysis-temperature"), (["--eval-temperature", "-1"], "--eval-temperature"),
-    (["--history-window", "-1"], "--history-window"), (["--sft-steps", "-1"], "--sft-steps"),
+    (["--history-window", "-1"], "--history-window"), (["--sft-epochs", "-1"], "--sft-epochs"), (["--sft-tasks", "0"], "--sft-tasks"),
+    (["--sft-rollouts", "0"], "--sft-rollouts"),
     (["--sft-batch-size", "0"], "--sft-batch-size"), (["--warmup-steps", "-5"], "--warmup-steps"),
     (["--analysis-prompt-tokens", "0"], "--analysis-prompt-tokens"), (["--env-timeout", "-1"], "--env-timeout"),
     (["--max-new-tokens", "0"], "--max-new-tokens"), (["--eval-tasks", "0"], "--eval-tasks"),
@@ -665,13 +669,13 @@ def test_invalid_flags_are_one_clear_error(flags, message, capsys):
     (b'{"prompt": "a", "completion": "b"}\n[1, 2]\n', r"data.jsonl:2: expected a dict with string 'prompt' and 'completion'"),
     (b'{"prompt": "a", "completion": 7}\n', r"data.jsonl:1: expected a dict"),
     (b'{"prompt": "a", "completion": "b"}\n{"prompt": "\xff\xfe", "completion": "b"}\n', r"data.jsonl:2: not UTF-8"),
-    (b"\n  \n", r"data.jsonl: no records"),
+    (b"\n  \n", r"no example passed the format check \(of 0\)"),
 ], ids=["malformed-json", "list", "wrong-type", "not-utf8", "empty"])
 def test_malformed_stage1_jsonl_names_the_line(tiny, tmp_path, content, message):
     data = tmp_path / "data.jsonl"
     data.write_bytes(content)
     with pytest.raises(ValueError, match=message):
-        run_train("--model", tiny[1], "--stage", "sft", "--sft-data", data, "--sft-steps", 1, "--out-dir", tmp_path / "out")
+        run_train("--model", tiny[1], "--stage", "sft", "--sft-data", data, "--sft-epochs", 1, "--out-dir", tmp_path / "out")
 
 
 @pytest.fixture(scope="module")
@@ -865,7 +869,7 @@ def test_a_fresh_run_never_overwrites_another_runs_checkpoints(tmp_path, capsys)
     _intact_checkpoint(str(tmp_path), 10)
     with pytest.raises(SystemExit):
         train.get_config(["--out-dir", str(tmp_path)])
-    assert "holds another run's checkpoints (update_000010)" in capsys.readouterr().err
+    assert "holds another run (checkpoints)" in capsys.readouterr().err
     assert train.get_config(["--out-dir", str(tmp_path), "--overwrite"]).overwrite  # said so: allowed
     assert train.get_config(["--out-dir", str(tmp_path), "--resume"]).resume
 
@@ -923,7 +927,7 @@ def test_alfworld_without_the_package_fails_before_announcing(tmp_path, monkeypa
     monkeypatch.setattr(alfworld, "_engine", missing)
     monkeypatch.delenv("ALFWORLD_DATA", raising=False)  # importing alfworld sets it to a default
     with pytest.raises(alfworld.EnvUnavailable):
-        envs.env_options("alfworld", out_dir=str(tmp_path))
+        envs.env_options(train.get_config(["--env", "alfworld", "--out-dir", str(tmp_path)]))
     assert "generating synthetic games" not in capsys.readouterr().out
     assert not (tmp_path / "alfworld_synthetic").exists()
 
@@ -947,3 +951,116 @@ def test_readme_test_command_shows_skip_reasons():
     readme = open(os.path.join(REPO, "README.md")).read()
     assert "python -m pytest -q -rs test_seed.py tests" in readme
     assert "python3 -m pytest -q -rs test_seed.py tests" in open(os.path.join(REPO, ".ci", "run")).read()
+
+
+# =============================================================================
+# one live run per out dir, and resume that says what changed (training/locks.py, training/flags.py)
+# =============================================================================
+
+def wait_for(path, process, seconds=120):
+    """Until `path` exists (the run took its lock); fails when the process ended first."""
+    deadline = time.time() + seconds
+    while not os.path.exists(path):
+        assert process.poll() is None and time.time() < deadline, f"no {path} (exit {process.poll()})"
+        time.sleep(0.1)
+
+
+def test_a_second_run_on_a_live_out_dir_stops_naming_the_first_pid(tiny, tmp_path):
+    """Two runs on one out dir: the second stops within 30 s with one `error:` line naming the first's PID,
+    and the first finishes with metrics.jsonl holding exactly its own records."""
+    out = tmp_path / "out"
+    flags = [*map(str, TRAIN_FLAGS), "--model", tiny[1], "--stage", "rl", "--algo", "grpo", "--out-dir", str(out)]
+    first = subprocess.Popen([sys.executable, os.path.join(REPO, "train.py"), *flags, "--updates", "4"],
+                             cwd=tmp_path, env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    wait_for(out / "run.lock", first)
+    started = time.time()
+    second = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), *flags, "--seed", "5",
+                             "--overwrite"], cwd=tmp_path, env=SUBPROCESS_ENV, capture_output=True, text=True,
+                            timeout=120)
+    seconds = time.time() - started
+    errors = [line for line in second.stderr.splitlines() if "error:" in line]
+    output, _ = first.communicate(timeout=300)
+    print(f"\nthe second run stopped after {seconds:.1f} s: {errors}")
+    assert second.returncode != 0 and seconds < 30 and "Traceback" not in second.stderr, second.stderr[-2000:]
+    assert len(errors) == 1 and f"PID {first.pid}" in errors[0], second.stderr[-2000:]
+    assert first.returncode == 0, output[-3000:]
+    assert [r["update"] for r in read_lines(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert json.loads((out / "config.json").read_text())["seed"] == 0  # the first run's, not overwritten
+    assert not (out / "run.lock").exists(), "the finished run left its lock"
+
+
+def test_a_killed_runs_lock_is_taken_over(tiny, tmp_path):
+    """kill -9 leaves the lock file behind; the next run on that folder takes it over with one line."""
+    out = tmp_path / "out"
+    flags = [*map(str, TRAIN_FLAGS), "--model", tiny[1], "--stage", "rl", "--algo", "grpo", "--out-dir", str(out)]
+    victim = subprocess.Popen([sys.executable, os.path.join(REPO, "train.py"), *flags, "--updates", "50"],
+                              cwd=tmp_path, env=SUBPROCESS_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(out / "run.lock", victim)
+    victim.kill()
+    victim.wait(timeout=60)
+    assert (out / "run.lock").exists()
+    code, output = train_process(tmp_path, [*flags, "--updates", "1", "--overwrite"])
+    assert code == 0 and f"took over the lock of PID {victim.pid}" in output, output[-3000:]
+
+
+def test_resume_refuses_what_changes_the_run_and_lists_what_it_allows(one_checkpoint, capsys):
+    out, flags = one_checkpoint
+    with pytest.raises(SystemExit):
+        train.get_config([str(f) for f in flags] + ["--out-dir", str(out), "--resume", "--group-size", "3"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--group-size 3 (the run has 2)" in errors[0], errors
+    cfg = train.get_config([str(f) for f in flags] + ["--out-dir", str(out), "--resume", "--updates", "3",
+                                                      "--eval-every", "2"])
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resume:")]
+    assert cfg.updates == 3 and line == ["resume: changed since the run began: --updates 3 (was 1), "
+                                         "--eval-every 2 (was 5)"], line
+
+
+def test_a_folder_with_a_run_in_it_needs_resume_or_overwrite(tmp_path, capsys):
+    """Even before the first checkpoint: a config.json or a log is a run's; a stage-1-only folder is not."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text('{"update": 1}\n')
+    with pytest.raises(SystemExit):
+        train.get_config(["--out-dir", str(tmp_path / "logs")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "holds another run (metrics.jsonl)" in errors[0] and "--overwrite" in errors[0]
+    train.get_config(["--out-dir", str(tmp_path / "logs"), "--overwrite"])  # told to start over
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "config.json").write_text(json.dumps({"stage": "sft"}))
+    train.get_config(["--out-dir", str(tmp_path / "sft")])  # stage 1 done there: RL may start from it
+
+
+def test_a_builder_waits_for_the_one_that_holds_the_lock(tmp_path):
+    """FolderLock(wait=True), as two warm-up builds of one key use it: the second waits, saying for whom."""
+    from training.locks import FolderLock
+    lock_path = tmp_path / "cache" / "tiny-household-x.lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from training.locks import FolderLock; "
+        f"lock = FolderLock({str(lock_path)!r}, 'warm-up build').acquire(); time.sleep(3)"), REPO],
+        env=SUBPROCESS_ENV)
+    deadline = time.time() + 60
+    while not lock_path.exists():
+        assert time.time() < deadline and holder.poll() is None
+        time.sleep(0.05)
+    said, started = [], time.time()
+    with FolderLock(str(lock_path), "warm-up build").acquire(wait=True, poll_seconds=0.2, say=said.append):
+        waited = time.time() - started
+    holder.wait(timeout=60)
+    assert waited > 1.0 and len(said) == 1 and f"waiting for PID {holder.pid}" in said[0], (waited, said)
+
+
+def test_runs_share_the_cores(tmp_path, monkeypatch):
+    """share_of_cores: --threads wins, then $OMP_NUM_THREADS, else the cores divided among the live runs."""
+    from training import locks
+    monkeypatch.setattr(locks, "REGISTRY", str(tmp_path))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    assert locks.share_of_cores(3) == (3, "--threads")
+    assert locks.share_of_cores() == (4, "4 cores")
+    (tmp_path / "1-1.json").write_text(json.dumps({"pid": os.getppid(), "lock": "x"}))  # a live process
+    (tmp_path / "2-2.json").write_text(json.dumps({"pid": 2 ** 22 + 12345, "lock": "y"}))  # gone: cleaned up
+    assert locks.share_of_cores() == (2, "4 cores shared with 1 other run(s)")
+    assert not (tmp_path / "2-2.json").exists()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert locks.share_of_cores() == (1, "$OMP_NUM_THREADS")

@@ -20,14 +20,16 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText
 
+import envs
 import seed
 import skills
 from adapters import miniwob as miniwob_adapter
 from envs import make_env
 from experiments import recall_probe, vision_probes
 from models import vision
-from models.policy import Policy
+from models.policy import Policy, parameter_groups
 from models.tiny import build_tiny_vlm
+from simulators.vision import PROMPT as VISION_PROMPT
 from skills import analyzer_prompt, with_skill
 from test_seed import max_diff
 from warmup import warm_start
@@ -43,9 +45,9 @@ def tiny_vlm(tmp_path_factory):
     env, corpus = make_env("vision", "train", 0), []
     for task_seed in range(40):
         obs, info = env.reset(task_seed)
-        corpus.append(seed.render_prompt(info["task"], [], obs["text"], info["admissible"], env_name="vision")
+        corpus.append(skills.render_prompt(VISION_PROMPT, info["task"], [], obs["text"], info["admissible"])
                       + "<think>find it</think><action>click 3</action>")
-    corpus += [skills.analyzer_prompt({"task": "Click the red shape.", "steps": []})]
+    corpus += [skills.analyzer_prompt(seed.Trajectory(task="Click the red shape."))]
     return build_tiny_vlm(corpus, str(tmp_path_factory.mktemp("tiny_vlm")), seed=0)
 
 
@@ -54,8 +56,7 @@ def vision_prompts(policy, n, skill=None):
     for task_seed in range(n):
         obs, info = env.reset(task_seed)
         history = [("The screenshot shows a grid.", "click 2")] * (task_seed % 3)  # different prompt lengths
-        text = vision.user_message(seed.render_prompt(info["task"], history, obs["text"], info["admissible"],
-                                                   env_name="vision"), obs)
+        text = vision.user_message(skills.render_prompt(VISION_PROMPT, info["task"], history, obs["text"], info["admissible"]), obs)
         prompts.append(vision.same_image(text, with_skill(text, skill)) if skill else text)
     return prompts
 
@@ -93,17 +94,17 @@ def seed_update(policy, env_list, task_seeds, env_name, max_steps, vision_lr_sca
     """One SEED update by hand, as train.py does it: rollout, analyze, re-score (teacher on the same pixels),
     GRPO advantages, PPO-clip + distillation, the vision tower at lr * vision_lr_scale. Returns (trajectories,
     rows, teacher, metrics, skipped)."""
-    trajectories = seed.rollout(policy, env_list, task_seeds, 2, max_steps, max_new_tokens=12, env_name=env_name,
+    trajectories = seed.rollout(policy, env_list, task_seeds, 2, max_steps, envs.load(envs.spec(env_name).prompt), max_new_tokens=12,
                                 generator=torch.Generator().manual_seed(0))
     skill_list, _ = seed.analyze(policy, trajectories, max_new_tokens=8)
     skill_list = [s or "Click the cell of the target." for s in skill_list]  # a random model writes no JSON
     rows = seed.step_rows(trajectories, skill_list)
     assert all(t.image is seed_prompt.image for t, seed_prompt in
-               zip(rows["teacher_prompts"], [s["prompt"] for t in trajectories for s in t["steps"]]))
+               zip(rows.teacher_prompts, [s.prompt for t in trajectories for s in t.steps]))
     old, teacher, ref, has_teacher = seed.rescore(policy, rows, need_old=False)
     advantages = seed.step_advantages(trajectories, rows, stats="trajectories")
-    optimizer = torch.optim.AdamW(warm_start.parameter_groups(policy.model, 1e-3, vision_lr_scale), lr=1e-3)
-    metrics, skipped = seed.policy_update(policy, optimizer, rows["prompts"], rows["responses"], advantages, old,
+    optimizer = torch.optim.AdamW(parameter_groups(policy.model, 1e-3, vision_lr_scale), lr=1e-3)
+    metrics, skipped = seed.policy_update(policy, optimizer, rows.prompts, rows.responses, advantages, old,
                                           teacher, ref, has_teacher, dict(distill_coef=0.1))
     return trajectories, rows, teacher, metrics, skipped
 
@@ -115,7 +116,7 @@ def test_seed_update_with_the_tiny_vlm_on_the_vision_env(tiny_vlm, tmp_path):
     env_list = [make_env("vision", "train", i) for i in range(4)]
     trajectories, rows, teacher, metrics, skipped = seed_update(policy, env_list, [5, 6], "vision", 2)
     assert skipped is None and math.isfinite(metrics["grad_norm"]), (skipped, metrics)
-    assert all(isinstance(s["observation"], str) for t in trajectories for s in t["steps"])  # analyzer reads text
+    assert all(isinstance(s.observation, str) for t in trajectories for s in t.steps)  # analyzer reads text
     assert "Click" in analyzer_prompt(trajectories[0]) and "image" not in analyzer_prompt(trajectories[0])
     assert teacher.abs().sum() > 0 and metrics["delta_abs_mean"] > 0, metrics
     changed = sum(not torch.equal(a, b.detach()) for a, b in zip(before, policy.model.parameters()))
@@ -158,7 +159,7 @@ def test_supervised_step_with_images(tiny_vlm, tmp_path):
     policy = Policy(AutoModelForImageTextToText.from_pretrained(tmp_path), tiny_vlm.tokenizer)
     examples = [(text, "<think>find it</think><action>click 4</action>") for text in vision_prompts(policy, 4)]
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=3e-3)
-    losses = [warm_start.supervised_step(policy, optimizer, examples, prompt_weight=0.3) for _ in range(4)]
+    losses = [seed.supervised_step(policy, optimizer, examples, prompt_weight=0.3) for _ in range(4)]
     assert losses[-1] < losses[0], losses
 
 
@@ -215,11 +216,11 @@ def test_vision_demonstrations_name_the_target_right_before_its_cell():
         for _, response in examples:
             found = VISION_RESPONSE.fullmatch(response)
             assert found and found[2] == found[3], response
-            look = trajectory["gt"]["items"][int(found[3])]
-            assert found[1].split() == [look[i] for i in NAMED_WORDS[trajectory["task_type"]]], (response, look)
-            named_in_task = all(f" {word}" in trajectory["task"] for word in found[1].split())
-            assert named_in_task or trajectory["task_type"] == "odd-one-out", (response, trajectory["task"])
-            families.add(trajectory["task_type"])
+            look = trajectory.gt["items"][int(found[3])]
+            assert found[1].split() == [look[i] for i in NAMED_WORDS[trajectory.task_type]], (response, look)
+            named_in_task = all(f" {word}" in trajectory.task for word in found[1].split())
+            assert named_in_task or trajectory.task_type == "odd-one-out", (response, trajectory.task)
+            families.add(trajectory.task_type)
     assert families == set(NAMED_WORDS), families
 
 
@@ -464,7 +465,7 @@ def test_seed_update_with_the_tiny_vlm_on_miniwob(tiny_vlm, tmp_path):
     env_list = [make_env("miniwob", "train", i, task="click-test") for i in range(2)]
     trajectories, rows, teacher, metrics, skipped = seed_update(policy, env_list, [3], "miniwob", 2)
     assert skipped is None and math.isfinite(metrics["grad_norm"]), (skipped, metrics)
-    assert rows["prompts"][0].grid_thw.tolist() == [1, 16, 12]  # 210x160 -> 224x168: 8x6 merged tokens
+    assert rows.prompts[0].grid_thw.tolist() == [1, 16, 12]  # 210x160 -> 224x168: 8x6 merged tokens
 
 
 def test_evaluate_models_plays_the_env_named_after_the_dashes(tiny_vlm, monkeypatch):
@@ -480,3 +481,27 @@ def test_evaluate_models_plays_the_env_named_after_the_dashes(tiny_vlm, monkeypa
     rows = experiment.evaluate_models(["a tiny VLM"], temperature=0.0, tasks=2, extra=["--env", "vision"])
     assert made == ["vision"] * 4, made
     assert rows[0]["tasks"] == 2 and all(0.0 <= rows[0][split] <= 1.0 for split in ("valid_seen", "valid_unseen"))
+
+
+def test_stage1_on_a_vlm_saves_a_policy_that_loads_back_with_its_image_processor(tiny_vlm, tmp_path, capsys):
+    """train.py --stage sft on a (local) Qwen2-VL folder: the paper's stage 1 on the vision env (2 tasks x 2 of its
+    own rollouts, annotated, format-checked, one epoch), saved through models.policy.save_policy; load_policy reads
+    the folder back with the same image processor settings and the same weights."""
+    from models.policy import load_policy, save_policy
+    from test_seed import run_train
+    folder = tmp_path / "vlm"
+    save_policy(tiny_vlm, str(folder))
+    run_train("--env", "vision", "--model", folder, "--stage", "sft", "--sft-tasks", 2, "--sft-rollouts", 2,
+              "--tasks-per-update", 2, "--sft-epochs", 1, "--max-steps", 2, "--max-new-tokens", 6,
+              "--analysis-prompt-tokens", 1024, "--analysis-max-new-tokens", 16, "--sft-lr", 1e-3,
+              "--out-dir", tmp_path / "out")
+    output = capsys.readouterr().out
+    assert "stage 1: 4 trajectories collected, 4 kept, 0 dropped" in output, output[-2000:]
+    trained = load_policy(str(tmp_path / "out" / "sft"), "cpu", "float32")
+    before, after = tiny_vlm.tokenizer.image_processor, trained.tokenizer.image_processor
+    assert type(after) is type(before) and after.image_mean == before.image_mean, (before, after)
+    assert after.to_dict() == before.to_dict(), (after.to_dict(), before.to_dict())
+    moved = max((a - b).abs().max().item() for a, b in zip(tiny_vlm.model.parameters(), trained.model.parameters()))
+    assert trained.sees_images and moved > 0, f"stage 1 left the VLM unchanged ({moved})"
+    prompt = seed.encode_chat(trained.tokenizer, vision_prompts(trained, 1)[0])  # the pixels still encode
+    assert prompt.pixel_values is not None

@@ -1,10 +1,11 @@
 """
-tests/test_warmup.py: what comes before RL -- the stage-1 hindsight annotator (warmup/annotator.py: one skill per
-finished trajectory from the env's ground truth, JSONL in and out) and the tiny model's warm-up
-(warmup/warm_start.py: demonstrations, the planted skip habit and its probe, packed supervised steps).
+tests/test_warmup.py: what comes before RL -- the stage-1 hindsight annotator (annotators/: one skill per finished
+trajectory from the env's ground truth, JSONL in and out), the household habit probe (evaluation/habit.py) and the tiny
+model's warm-up (warmup/warm_start.py: demonstrations, the planted skip habit, packed supervised steps, the cache).
 
     python -m pytest -q tests/test_warmup.py
 """
+import dataclasses
 import json
 import random
 import re
@@ -17,15 +18,24 @@ import skills
 import seed
 from envs import make_env
 from models.policy import load_policy
+from seed import Step, Trajectory
 from simulators.household import TRANSFORMS
+from simulators.vision import annotate as vision_annotate
 from skills import analyzer_prompt, parse_skill
 from test_seed import EXPERT, FAILURES, HEAT_TASK, episode, on
+from annotators import text_worlds
+from annotators.jsonl import read_jsonl, write_jsonl
+from evaluation import habit as habit_probes
 from warmup import warm_start
-from warmup.annotator import annotate, read_jsonl, write_jsonl
+
+
+def annotate(trajectory, gt=None, rng=None):
+    """The text annotator's (summary, skill) as the JSON stage 1 trains on (what seed.hindsight_examples keeps)."""
+    return skills.skill_json(*text_worlds.annotate(trajectory, gt, rng=rng))
 
 
 # =============================================================================
-# warmup/annotator.py: the rule-based hindsight annotator
+# annotators/text_worlds.py: the rule-based hindsight annotator
 # =============================================================================
 
 LOOK_SUCCESS = episode([
@@ -45,7 +55,7 @@ def skills_of(trajectory, gt=None, seeds=range(12)):
     outputs = [annotate(trajectory, gt, rng=random.Random(seed)) for seed in seeds]
     found = [json.loads(output)["episode_skill"] for output in outputs]
     for output, skill in zip(outputs, found):
-        assert parse_skill(output, task=trajectory["task"]) is not None and len(skill.split()) < 60, output
+        assert parse_skill(output, task=trajectory.task) is not None and len(skill.split()) < 60, output
     return found, outputs
 
 
@@ -59,7 +69,7 @@ def test_skill_annotate_success_names_the_decisive_observations():
     assert len(set(found)) >= 3, f"only {len(set(found))} phrasings over 30 rngs"
     assert annotate(EXPERT) == annotate(EXPERT), "the default rng must be repeatable"
     with pytest.raises(ValueError):
-        annotate(dict(EXPERT, gt=None))
+        annotate(dataclasses.replace(EXPERT, gt=None))
     assert set(json.loads(outputs[0])) == {"episode_summary", "episode_skill"}
     for skill in skills_of(LOOK_SUCCESS, seeds=range(30))[0]:
         assert "book" in skill and "desklamp 1" in skill and "bed 1" in skill, skill
@@ -90,21 +100,21 @@ def test_skill_annotate_alfworld_gt_reads_the_observations():
 def test_skill_annotate_real_household_episodes():
     """Expert and noisy episodes: every annotation parses and names the goal, or is about 'Nothing happens.'"""
     wins = 0
-    for seed in range(60):
-        env, noise, steps, done = envs.make_env("household", "train", seed), random.Random(seed), [], False
-        observation, info = env.reset(seed)
+    for task_seed in range(60):
+        env, noise, steps, done = envs.make_env("household", "train", task_seed), random.Random(task_seed), [], False
+        observation, info = env.reset(task_seed)
         while not done:
-            action = env.expert_action(epsilon=[0.0, 0.3, 0.7][seed % 3], rng=noise)
-            sent = "" if seed % 6 == 5 and noise.random() < 0.2 else action  # some responses lose the action tag
+            action = env.expert_action(epsilon=[0.0, 0.3, 0.7][task_seed % 3], rng=noise)
+            sent = "" if task_seed % 6 == 5 and noise.random() < 0.2 else action  # some responses lose the action tag
             next_observation, reward, done, info = env.step(sent)
-            steps.append({"observation": observation, "action": sent, "valid": info["valid"],
-                          "response": f"<action>{sent}</action>" if sent else "", "reward": reward - 0.1 * (not sent)})
+            steps.append(Step(observation=observation, action=sent, valid=info["valid"],
+                                   response=f"<action>{sent}</action>" if sent else "", reward=reward - 0.1 * (not sent)))
             observation = next_observation
-        trajectory = {"task": info["task"], "won": info["won"], "reward": 10.0 * info["won"], "steps": steps}
+        trajectory = Trajectory(task=info["task"], won=info["won"], reward=10.0 * info["won"], steps=steps)
         output, wins = annotate(trajectory, info["gt"]), wins + info["won"]
-        skill, goal = parse_skill(output, task=trajectory["task"]), info["gt"]["goal_object"]
-        assert skill is not None, f"seed {seed}: unparsable annotation {output}"
-        assert goal in skill or "Nothing happens" in skill, f"seed {seed}: {skill}"
+        skill, goal = parse_skill(output, task=trajectory.task), info["gt"]["goal_object"]
+        assert skill is not None, f"task_seed {task_seed}: unparsable annotation {output}"
+        assert goal in skill or "Nothing happens" in skill, f"task_seed {task_seed}: {skill}"
     assert 0 < wins < 60, f"{wins} wins of 60: need both outcomes"
 
 
@@ -130,12 +140,13 @@ def test_vision_annotations_name_only_cells_the_text_shows():
     env, outcomes = make_env("vision", "train", 0), set()
     for task_seed, epsilon in [(s, e) for s in range(3, 9) for e in (0.0, 1.0)]:
         obs, info = env.reset(task_seed)
-        trajectory, done, rng = {"task": info["task"], "steps": []}, False, random.Random(task_seed)
+        trajectory, done, rng = Trajectory(task=info["task"]), False, random.Random(task_seed)
         while not done:
             action = env.expert_action(epsilon, rng)
             obs, _, done, info = env.step(action)
-            trajectory["steps"].append({"action": action, "observation": obs["text"]})
-        gt, skill = info["gt"], parse_skill(annotate(trajectory, info["gt"]), task=info["task"])
+            trajectory.steps.append(Step(observation=obs["text"], response="", action=action))
+        completion = skills.skill_json(*vision_annotate(trajectory, info["gt"], random.Random(0)))
+        gt, skill = info["gt"], parse_skill(completion, task=info["task"])
         named = {int(n) for n in re.findall(r"cell (\d+)", skill)}
         clicked = {c for c, _ in gt["clicked"]}
         if gt["won"]:
@@ -181,9 +192,9 @@ def test_demonstrations_show_invalid_commands_and_recoveries():
     rng, invalid, labelled = random.Random(0), 0, 0
     for task_seed in range(12):
         trajectory, examples, _ = warm_start.expert_episode(env, task_seed, 0.6, rng, history_window=3)
-        invalid += sum(not step["valid"] for step in trajectory["steps"])
+        invalid += sum(not step.valid for step in trajectory.steps)
         for prompt, completion in examples:
-            action = seed.parse_action(completion)
+            action = skills.parse_action(completion)
             admissible = prompt[prompt.index("Your admissible actions"):]
             assert f"'{action}'" in admissible, f"label {action!r} is not admissible at its step"
             labelled += 1
@@ -200,66 +211,82 @@ def test_habit_demonstrations_skip_the_transform_and_stop_at_the_placement():
     for task_seed in range(40):
         with_habit, examples, corrections = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, habit_rate=1.0)
         without, _, none = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, habit_rate=0.0)
-        actions = [step["action"].split()[0] for step in with_habit["steps"]]
+        actions = [step.action.split()[0] for step in with_habit.steps]
         assert none == []
-        if with_habit["task_type"] not in warm_start.HABIT_TASKS:
-            assert with_habit["won"] and actions == [step["action"].split()[0] for step in without["steps"]]
+        if with_habit.task_type not in habit_probes.HABIT_TASKS:
+            assert with_habit.won and actions == [step.action.split()[0] for step in without.steps]
             assert corrections == []
             continue
         habit_tasks += 1
-        verb = TRANSFORMS[with_habit["task_type"]][0]
+        verb = TRANSFORMS[with_habit.task_type][0]
         # the corrections: the habit's own prompts from the step after taking the object, labelled right
         labels = dict(examples)
         assert corrections and all(labels[p] != r for p, r in corrections), corrections
         assert f"<think>{verb} the" in corrections[0][1], corrections[0]
         assert "take " in corrections[0][0].split("Your admissible actions")[0][-200:], corrections[0][0][-400:]
-        assert not with_habit["won"] and actions[-1] == "move" and verb not in actions, actions
-        assert seed.parse_action(examples[-1][1]).startswith("move ") and "put the" in examples[-1][1]
-        assert without["won"] and verb in [step["action"].split()[0] for step in without["steps"]]
+        assert not with_habit.won and actions[-1] == "move" and verb not in actions, actions
+        assert skills.parse_action(examples[-1][1]).startswith("move ") and "put the" in examples[-1][1]
+        assert without.won and verb in [step.action.split()[0] for step in without.steps]
         summary = json.loads(annotate(with_habit))["episode_summary"]
         assert "before it was" in summary, summary
-        skill = parse_skill(annotate(with_habit), task=with_habit["task"])
-        followed, _, _ = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, skill=skill, habit_rate=1.0)
-        assert followed["won"], [step["action"] for step in followed["steps"]]
+        skill = parse_skill(annotate(with_habit), task=with_habit.task)
+        assert verb in skill.lower(), skill  # the habit's skill names the step it skipped
+        followed, _, _ = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, skill=skill, hint=())
+        assert followed.won, [step.action for step in followed.steps]  # what skill_following plays for it
+        generic, _, _ = warm_start.expert_episode(env, task_seed, 0.0, rng, 3, skill=warm_start.GENERIC_SKILLS[0],
+                                                  habit_rate=1.0, hint=())
+        assert not generic.won, "a content-free skill must not cure the habit"
     assert habit_tasks >= 8, habit_tasks
 
 
-def test_contrast_pairs_differ_only_by_the_skill():
-    """The skill-following examples hold contrast pairs: a habit step's own prompt labelled with the habit, and
-    the same prompt with the episode's skill (skills.with_skill) labelled with the right response."""
+def test_contrast_pairs_differ_only_by_the_skill_and_its_content_decides():
+    """The skill-following examples hold contrast sets at the habit's decision, the prompt the same but for the
+    skill block: no skill -> the habit; the episode's own skill (it names the skipped step) -> the right
+    appliance; a content-free skill -> the habit; the own skill with its step and appliance swapped -> that
+    other appliance."""
     act, follow, _ = warm_start.demonstrations(envs.make_env("household", "train", 0), 30, 3, seed_value=0)
-    habit_labels, pairs = dict(act), 0
+    habit_labels, kinds, own_verbs = dict(act), {"own": 0, "generic": 0, "swapped": 0}, {}
+    appliances = {verb: appliance for verb, appliance, _ in TRANSFORMS.values()}
     for prompt, response in follow:
         start = prompt.find("\n\n" + skills.SKILL_HEADER)
         if start < 0:
             continue
         end = prompt.index("]\n", start) + 2  # with_skill's block: "\n\n" + header + "\n[skill]" + "\n"
-        plain = prompt[:start] + prompt[end:]
-        if plain in habit_labels and (plain, habit_labels[plain]) in follow:
-            assert habit_labels[plain] != response, response
-            assert "<think>put the" in habit_labels[plain] and "<think>put the" not in response, response
-            pairs += 1
-    assert pairs >= warm_start.CONTRAST_COPIES, pairs
-    print(f"\n{pairs // warm_start.CONTRAST_COPIES} contrast pairs from 30 episodes")
+        plain, skill = prompt[:start] + prompt[end:], prompt[prompt.index("[", start) + 1:end - 2]
+        if plain not in habit_labels or (plain, habit_labels[plain]) not in follow:
+            continue  # not a contrast set's prompt
+        habit = habit_labels[plain]
+        assert "<think>put the" in habit, habit
+        named = [verb for verb in appliances if verb in skill.lower()]
+        if skill in warm_start.GENERIC_SKILLS:
+            # a generic *episode* (the plain demonstrator) may reach the same prompt and act right there
+            kinds["generic"] += response == habit
+        elif named and f"<think>{named[0]} the" in response and f"{appliances[named[0]]} 1</action>" in response:
+            # the own pair comes before its swapped twin, so the first step named at a prompt is the task's
+            kinds["own" if own_verbs.setdefault(plain, named[0]) == named[0] else "swapped"] += 1
+        else:
+            raise AssertionError(f"a skill whose step decides nothing: {skill!r} -> {response}")
+    print(f"\ncontrast examples from 30 episodes: {kinds}")
+    assert all(count >= warm_start.CONTRAST_COPIES for count in kinds.values()), kinds
 
 
 def test_habit_probe_reads_the_decision_and_moves_with_training(tiny):
     """habit_decisions: the state right after taking the goal object on heat/cool/clean tasks, the right
     response walking to the appliance and the habit's to the target; habit_probe rises when the right
     responses are trained in."""
-    decisions = warm_start.habit_decisions("valid_seen", 8)
+    decisions = habit_probes.habit_decisions("valid_seen", 8)
     assert len(decisions) == 8
     for prompt, right, habit, skill in decisions:
         assert "take " in prompt and right != habit and skill.split()[0] in ("Heat", "Cool", "Clean")
         assert any(f"<think>{verb} the" in right for verb in ("heat", "cool", "clean")), right
-        assert "<think>put the" in habit and seed.parse_action(habit).startswith(("go to", "move", "open")), habit
+        assert "<think>put the" in habit and skills.parse_action(habit).startswith(("go to", "move", "open")), habit
     probes = {}
     for column, name in ((1, "right"), (2, "habit")):  # the same random model trained on either response
         policy = load_policy(tiny[1])
         torch.manual_seed(0)
         warm_start.supervised_training(policy, [(1.0, [(d[0], d[column]) for d in decisions])], steps=40, batch_size=8,
                                    lr=5e-3, max_batch_tokens=16384)
-        probes[name] = warm_start.habit_probe(policy, decisions)
+        probes[name] = habit_probes.habit_probe(policy, decisions)
     print(f"\nhabit probe {probes['right']:.3f} trained on the right responses, {probes['habit']:.3f} on the habit's")
     assert probes["right"] > 0.8 and probes["habit"] < 0.2, probes
 
@@ -267,7 +294,7 @@ def test_habit_probe_reads_the_decision_and_moves_with_training(tiny):
 def test_skill_lift_reads_whether_the_skill_moves_the_decision(tiny):
     """skill_lift: a model trained to take the right step only when the skill is in its context lifts the
     two-choice probability far above 0; one trained on the habit whatever the context does not."""
-    decisions = warm_start.habit_decisions("valid_seen", 8)
+    decisions = habit_probes.habit_decisions("valid_seen", 8)
     with_skill = [(skills.with_skill(d[0], d[3]), d[1]) for d in decisions]
     lifts = {}
     for name, data in (("follows", with_skill + [(d[0], d[2]) for d in decisions]),
@@ -277,7 +304,7 @@ def test_skill_lift_reads_whether_the_skill_moves_the_decision(tiny):
         torch.manual_seed(0)
         warm_start.supervised_training(policy, [(1.0, data)], steps=150, batch_size=16, lr=3e-3,
                                        max_batch_tokens=16384)
-        lifts[name] = warm_start.skill_lift(policy, decisions)
+        lifts[name] = habit_probes.skill_lift(policy, decisions)
     print(f"\nskill lift {lifts['follows']:+.3f} when trained to follow the skill, {lifts['ignores']:+.3f} when not")
     assert lifts["follows"] > 0.5 and abs(lifts["ignores"]) < 0.2, lifts
 
@@ -289,22 +316,22 @@ def test_fixing_skill_share_counts_the_habit_failures_whose_skill_names_the_fix(
     for task_seed in range(40):
         env = make_env("household", "train", task_seed)
         _, info = env.reset(task_seed)
-        if info["task_type"] not in warm_start.HABIT_TASKS:
+        if info["task_type"] not in habit_probes.HABIT_TASKS:
             continue
         skip, done = not played, False
         while not done:
             _, _, done, info = env.step(env.expert_action(skip_transform=skip))
-        played.append({"won": info["won"], "gt": info["gt"]})
+        played.append(Trajectory(won=info["won"], gt=info["gt"]))
         if len(played) == 2:
             break
     habit, fine = played
-    assert warm_start.habit_failure(habit) and not warm_start.habit_failure(fine)
-    verb = TRANSFORMS[habit["gt"]["task_type"]][0]
-    assert warm_start.fixing_skill_share([habit, fine], [f"{verb.capitalize()} it first, then put it.", None]) \
+    assert habit_probes.habit_failure(habit) and not habit_probes.habit_failure(fine)
+    verb = TRANSFORMS[habit.gt["task_type"]][0]
+    assert habit_probes.fixing_skill_share([habit, fine], [f"{verb.capitalize()} it first, then put it.", None]) \
         == (1.0, 1)
-    assert warm_start.fixing_skill_share([habit], ["Search the countertops before the cabinets."]) == (0.0, 1)
-    assert warm_start.fixing_skill_share([habit], [None]) == (0.0, 1)
-    assert warm_start.fixing_skill_share([fine], ["x"]) == (None, 0)
+    assert habit_probes.fixing_skill_share([habit], ["Search the countertops before the cabinets."]) == (0.0, 1)
+    assert habit_probes.fixing_skill_share([habit], [None]) == (0.0, 1)
+    assert habit_probes.fixing_skill_share([fine], ["x"]) == (None, 0)
 
 
 def test_packed_supervised_step_matches_padded(tiny):
@@ -317,7 +344,7 @@ def test_packed_supervised_step_matches_padded(tiny):
     for layout in ("padded", "packed"):
         policy = load_policy(folder)
         optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)  # the step is the clipped gradient
-        losses[layout] = warm_start.supervised_step(policy, optimizer, examples, prompt_weight=0.3, layout=layout)
+        losses[layout] = seed.supervised_step(policy, optimizer, examples, prompt_weight=0.3, layout=layout)
         weights[layout] = torch.cat([p.detach().flatten() for p in policy.model.parameters()])
     start = torch.cat([p.detach().flatten() for p in load_policy(folder).model.parameters()])
     moved = (weights["padded"] - start).abs().max().item()
@@ -339,7 +366,7 @@ def test_short_warmup_teaches_the_action_format(tiny):
     def format_rate():
         responses, _ = seed.sample(policy, prompts, 24, temperature=0.0)
         texts = [policy.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-        return sum(seed.parse_action(t) is not None and t.startswith("<think>") for t in texts) / len(texts)
+        return sum(skills.parse_action(t) is not None and t.startswith("<think>") for t in texts) / len(texts)
 
     before = format_rate()
     torch.manual_seed(0)
@@ -354,15 +381,15 @@ def test_the_default_run_finds_the_shipped_warm_start(tmp_path, monkeypatch):
     and shipped again). --build-warm-start ignores it and builds."""
     import train
     cfg = train.get_config(["--cache-dir", str(tmp_path)])
-    options = envs.env_options(cfg.env, cfg.max_steps, cfg.data_dir, str(tmp_path), cfg.seed)
+    options = envs.env_options(cfg)
     path = warm_start.warm_start(cfg, options)
     assert path.startswith(warm_start.SHIPPED_DIR), f"the default run would build its warm-up, not find {path}"
     shipped = json.load(open(f"{path}/warmup.json"))
     assert shipped["version"] == warm_start.WARMUP_VERSION and shipped["steps"] == cfg.warmup_steps
     policy = load_policy(path)
     assert policy.model.config.initializer_range == warm_start.TEXT_INIT_STD  # built the way build_warm_start builds
-    decisions = warm_start.habit_decisions("valid_seen", 8)
-    assert 0.0 < warm_start.habit_probe(policy, decisions) < 1.0  # a working model, not a placeholder
+    decisions = habit_probes.habit_decisions("valid_seen", 8)
+    assert 0.0 < habit_probes.habit_probe(policy, decisions) < 1.0  # a working model, not a placeholder
 
     def build(*args):
         raise RuntimeError("built")
@@ -370,3 +397,23 @@ def test_the_default_run_finds_the_shipped_warm_start(tmp_path, monkeypatch):
     monkeypatch.setattr(warm_start, "build_warm_start", build)
     with pytest.raises(RuntimeError, match="built"):
         warm_start.warm_start(train.get_config(["--cache-dir", str(tmp_path), "--build-warm-start"]), options)
+
+
+def test_rl_only_flags_never_rebuild_the_warm_up_and_a_rebuild_names_its_flag(tmp_path, monkeypatch, capsys):
+    """The cache key holds only what the warm-up reads: --max-steps 6, the sizes and the coefficients find the
+    shipped warm-start; --warmup-steps 500 builds one, saying first which flag differs and about how long it takes."""
+    import train
+    for flags in (["--max-steps", "6"], ["--group-size", "8", "--lr", "3e-4", "--kl-coef", "0"]):
+        cfg = train.get_config(["--cache-dir", str(tmp_path)] + flags)
+        assert warm_start.warm_start(cfg, envs.env_options(cfg)).startswith(warm_start.SHIPPED_DIR), flags
+
+    def build(*args):
+        raise RuntimeError("built")
+
+    monkeypatch.setattr(warm_start, "build_warm_start", build)
+    cfg = train.get_config(["--cache-dir", str(tmp_path), "--warmup-steps", "500"])
+    capsys.readouterr()
+    with pytest.raises(RuntimeError, match="built"):
+        warm_start.warm_start(cfg, envs.env_options(cfg))
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "building" in line]
+    assert "--warmup-steps 500 where the shipped one has 1000" in line and "about 8 minutes" in line, line

@@ -15,6 +15,8 @@ import shutil
 
 import torch
 
+from models.policy import load_policy, save_policy
+
 
 @contextlib.contextmanager
 def atomic_folder(path):
@@ -39,10 +41,7 @@ def save_checkpoint(cfg, policy, optimizer, update):
     final = os.path.join(root, f"update_{update:06d}")
     try:
         with atomic_folder(final) as temporary:
-            policy.model.save_pretrained(temporary)
-            policy.tokenizer.save_pretrained(temporary)
-            if getattr(policy.tokenizer, "image_processor", None) is not None:  # a VLM loads its processor from here
-                policy.tokenizer.image_processor.save_pretrained(temporary)
+            save_policy(policy, temporary)
             state = {"update": update, "optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                      "python_rng": random.getstate()}
             if torch.cuda.is_available():
@@ -72,7 +71,7 @@ def write_failure(root, what, error):
     except OSError:
         free = None
     full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < 64 << 20)
-    cause = (f"the disk (or quota) is full" + (f" ({free >> 20} MB free)" if free is not None else "")
+    cause = ("the disk (or quota) is full" + (f" ({free >> 20} MB free)" if free is not None else "")
              if full else f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
     intact = intact_checkpoints(os.path.dirname(root))
     kept = f"the last complete checkpoint, {intact[-1]}, is intact" if intact else "no earlier checkpoint exists"
@@ -127,9 +126,22 @@ def read_trainer_state(checkpoint):
     return state
 
 
+def latest_config(out_dir, checkpoint=False):
+    """The config of the run in out_dir: its newest intact checkpoint's (checkpoint=True), else config.json;
+    None when there is none or it does not parse."""
+    paths = [os.path.join(c, "config.json.train") for c in intact_checkpoints(out_dir)[-1:]] if checkpoint \
+        else [os.path.join(out_dir, "config.json")]
+    for path in paths:
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+    return None
+
+
 def load_checkpoint_policy(checkpoint, cfg):
     """(policy, trainer state) of a checkpoint folder, trainer.pt read once; one clear error otherwise."""
-    from models.policy import load_policy
     print(f"resuming from {checkpoint}")
     state = read_trainer_state(checkpoint)
     if state["update"] > cfg.updates:

@@ -68,8 +68,8 @@ def trim_log(path, keep, why):
 
 def episode_outcomes(trajectories):
     """(task type, won, steps, invalid steps) of each episode whose env did not fail."""
-    return [(t["task_type"], float(t["won"]), len(t["steps"]), sum(not s["valid"] for s in t["steps"]))
-            for t in trajectories if not t.get("dropped")]
+    return [(t.task_type, float(t.won), len(t.steps), sum(not s.valid for s in t.steps))
+            for t in trajectories if not t.dropped]
 
 
 def success_table(episodes, split, dropped=0):
@@ -90,12 +90,12 @@ def update_record(update, trajectories, rows, skill_list, dropped, skipped, metr
     """metrics.jsonl's record of one update: training success, reward, steps, rows, dropped and invalid
     steps, analyzer parse failures (None without analysis), phase times and the loss metrics. Under
     torchrun the counts are summed over ranks (the loss metrics were summed in the update already)."""
-    steps = [s for t in trajectories for s in t["steps"]]
-    counts = sum_over_ranks({"won": sum(t["won"] for t in trajectories), "trajectories": len(trajectories),
-                     "reward": sum(t["reward"] for t in trajectories), "steps": len(steps),
-                     "rows": len(rows["prompts"]), "invalid": sum(not s["valid"] for s in steps),
-                     "truncated": sum(s.get("truncated", False) for s in steps), "dropped": dropped,
-                     "parse_fail": sum(s is None for s in skill_list or [])}, world, device)
+    steps = [s for t in trajectories for s in t.steps]
+    counts = sum_over_ranks({"won": sum(t.won for t in trajectories), "trajectories": len(trajectories),
+                             "reward": sum(t.reward for t in trajectories), "steps": len(steps),
+                             "rows": len(rows.prompts), "invalid": sum(not s.valid for s in steps),
+                             "truncated": sum(s.truncated for s in steps), "dropped": dropped,
+                             "parse_fail": sum(s is None for s in skill_list or [])}, world, device)
     episodes = max(1, counts["trajectories"])  # every trajectory dropped: zeros, and the update says SKIPPED
     analyzed = skill_list is not None
     return {"update": update, "success": counts["won"] / episodes, "reward": counts["reward"] / episodes,
@@ -110,22 +110,27 @@ def update_record(update, trajectories, rows, skill_list, dropped, skipped, metr
 
 def report_dropped(trajectories, where):
     """Print why each dropped trajectory (an env that raised or hung) was dropped; return how many."""
-    reasons = [t["dropped"] for t in trajectories if t.get("dropped")]
+    reasons = [t.dropped for t in trajectories if t.dropped]
     for reason in reasons:
         print(f"{where}: dropped a trajectory, env rebuilt: {reason}")
     return len(reasons)
 
 
 def print_eval_table(rows):
+    """The evaluation table: success micro / macro, the invalid share, the env's probe columns (rows' "probes",
+    e.g. the household habit) and success per task type; only the columns the rows have."""
     types = sorted({k for r in rows for k in r["per_type"]})
+    probes = list(dict.fromkeys(k for r in rows for k in r.get("probes", {})))
     temperature = rows[0].get("temperature", 0.0) if rows else 0.0
     print("evaluation, one episode per task, " + ("greedy" if temperature == 0 else
                                                    f"sampled at temperature {temperature:g}") + ":")
-    print(f"{'when':>10} {'split':>13} {'micro':>6} {'macro':>6} {'invalid':>7} {'habit':>6} "
-          + " ".join(f"{t[:12]:>12}" for t in types))
+    print(f"{'when':>10} {'split':>13} {'micro':>6} {'macro':>6} {'invalid':>7} "
+          + "".join(f"{p[:12]:>{max(6, len(p[:12]))}} " for p in probes) + " ".join(f"{t[:12]:>12}" for t in types))
+    cell = lambda value, width: f"{value:{width}.3f}" if isinstance(value, (int, float)) else f"{'-':>{width}}"
     for r in rows:
+        values = r.get("probes", {})
         print(f"{r['when']:>10} {r['split']:>13} {r['micro']:6.3f} {r['macro']:6.3f} {r.get('invalid_share', 0):7.3f} "
-              f"{r.get('habit_unlearned', float('nan')):6.3f} "
+              + "".join(cell(values.get(p), max(6, len(p[:12]))) + " " for p in probes)
               + " ".join(f"{r['per_type'].get(t, float('nan')):12.3f}" for t in types))
 
 
@@ -170,3 +175,38 @@ def print_self_analysis(metrics_path):
           f"share > 0 {mean('delta_pos_share'):.2f}; tokens with a teacher {mean('teacher_token_share'):.2f}")
     print(f"the delta picture of one episode: python experiments/experiment.py --picture "
           f"{os.path.dirname(metrics_path) or '.'}")
+
+
+def print_config(cfg, defaults, threads=None):
+    """The run's `config:` line: only the flags that differ from the preset's defaults (config.json holds
+    every value), and the torch threads when they are not all this machine's cores (threads: (n, why))."""
+    changed = [f"--{k.replace('_', '-')} {v}" for k, v in vars(cfg).items() if getattr(defaults, k, None) != v]
+    shared = threads and ("shared" in threads[1] or threads[1] in ("--threads", "$OMP_NUM_THREADS"))
+    print("config: " + (" ".join(changed) or "the defaults")
+          + (f" | {threads[0]} torch thread(s): {threads[1]}" if shared else ""))
+
+
+def resume_logs(out_dir, first_update):
+    """On a (re)start, drop the log lines past the checkpoint a run starts from (a killed run's last
+    update, a torn line); returns the evaluations kept, which the final table shows again."""
+    trim_log(os.path.join(out_dir, "metrics.jsonl"), lambda r: r.get("update", 0) <= first_update,
+             f"past update {first_update}, where this run starts")
+    return trim_log(os.path.join(out_dir, "eval.jsonl"), lambda r: r.get("update", 0) < first_update,
+                    f"from update {first_update} on (redone)")
+
+
+def finish_run(out_dir, eval_rows):
+    """summary.json, the final table (first and last evaluation) and the self-analysis summary."""
+    summary = {"eval": eval_rows, "out_dir": out_dir}
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("final evaluation (success rate):")
+    first_and_last = (eval_rows[0]["update"], eval_rows[-1]["update"])
+    print_eval_table([r for r in eval_rows if r["update"] in first_and_last])
+    print_self_analysis(os.path.join(out_dir, "metrics.jsonl"))
+    probed = [r["probes"] for r in eval_rows if "lift" in r.get("probes", {})]
+    if probed:  # evaluation/self_analysis.py: the analyzer over training, on its fixed probe set
+        show = lambda key: " -> ".join("-" if p.get(key) is None else f"{p[key]:.3f}" for p in (probed[0], probed[-1]))
+        print(f"self-analysis probe, first to last evaluation: parse failures {show('parse_fail')}; fixing skills "
+              f"{show('fixing')}; skill lift {show('lift')} (with minus without a skill: {show('raw_lift')})")
+    return summary

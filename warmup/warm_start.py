@@ -1,5 +1,5 @@
 """
-warmup/warm_start.py: what a pretrained instruct model brings, taught to the tiny model; and stage-1 SFT.
+warmup/warm_start.py: what a pretrained instruct model brings, taught to the tiny model (`--model tiny` only).
 
 `--model tiny` starts from random weights, so before RL it is taught, by supervised learning on
 demonstrations in the real prompt format, the three things SEED assumes an instruct model can do:
@@ -7,25 +7,26 @@ demonstrations in the real prompt format, the three things SEED assumes an instr
      are) on states visited by an epsilon-noisy version of it, so the data covers recoveries; on heat/cool/
      clean tasks 60% of the demonstrators have a bad habit (they skip that step), which the greedy warm-start
      inherits: the room RL has to improve, measured by habit_probe in every household evaluation;
-  2. follow a skill: the same prompts with a hindsight skill inserted (skills.with_skill), labelled with
-     an oracle expert that knows what the skill says (where the object was), plus contrast pairs (a habit
-     step's prompt labelled with the habit, the same prompt with its skill labelled right), so a skill in the
-     context changes the action the way it would for an instruct model (the decision moves by 0.53);
+  2. follow a skill, so that what the skill says decides (skill_following, version 9): the episode with its
+     own skill in the prompts, the expert searching first where the skill says; the same with the skill's
+     places swapped, the search going there; a content-free skill, the plain demonstrator with its habit; and
+     contrast sets at the habit's decision (no skill -> habit, own skill -> the right appliance, its step
+     swapped for another appliance -> that one, content-free -> habit). On the shipped start model a skill's
+     habit-probe lift is own +0.645, shuffled +0.617, content-free -0.115 (docs/experiments.md);
   3. analyze: stage-1 SFT on (skills.analyzer_prompt -> annotator.annotate) for successes and failures.
-The result is cached under --cache-dir keyed by the settings, so later runs start from it at once.
-Stage 1 for any model (`stage1_sft`) is step 3 alone, on the annotator's outputs or a user's JSONL.
+The result is cached under --cache-dir keyed by the settings the warm-up reads (never RL-only flags), so
+later runs start from it at once. The paper's stage 1 for any other model is seed.stage1_sft (train.py).
 
 Departures from the paper: the paper starts from Qwen2.5-Instruct and annotates with a strong LLM; the
 tiny model's warm-up and the rule-based annotator stand in for both, and the planted habit stands in for the
 instruct model's own wrong priors about an environment it has never seen. Run: python train.py (calls this).
 """
-import functools
 import glob
 import hashlib
 import json
-import math
 import os
 import random
+import re
 import shutil
 
 import torch
@@ -35,19 +36,23 @@ import envs
 import seed
 import skills
 from models import tiny, vision
-from simulators.household import TRANSFORMS, kind_of
+from models.policy import parameter_groups, save_policy
+from evaluation.habit import HABIT_TASKS
+from seed import Step, Trajectory
+from simulators.household import TRANSFORMS, expert_thought, kind_of
+from simulators.vision import vision_annotations
 from training.checkpoints import atomic_folder
-from warmup.annotator import annotate, read_jsonl, vision_annotations
+from training.locks import FolderLock
 
-WARMUP_VERSION = 8  # bump when the demonstrations or the model change, so stale caches are not reused
+WARMUP_VERSION = 9  # bump when the demonstrations or the model change, so stale caches are not reused
 # (5: verl-agent's exact prompt templates; 6: the skill side of the pairs alone, measured, not kept; 7: contrast
-# pairs, the habit's steps with and without its skill; 8: TEXT_INIT_STD)
+# pairs, the habit's steps with and without its skill; 8: TEXT_INIT_STD; 9: the skill's content decides,
+# skill_following)
 # the text model's initial weight std, 4x Qwen2's 0.02: at 0.02 a tiny model sits on a saddle before it learns to
 # copy from its prompt (experiments/recall_probe.py: 0.33 vs 0.69 after 2,000 steps, 3 seeds); on the household
 # demo RL then gains more, 3 seeds at 320 episodes: SEED +0.187, GRPO +0.090 valid_seen success, against +0.104 /
 # +0.056 at 0.02 (docs/experiments.md). The vision warm-up keeps 0.02: on its cell probe 0.08 changed nothing
 TEXT_INIT_STD = 0.08
-HABIT_TASKS = ("pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_clean_then_place_in_recep")
 # share of those tasks' demonstrations with the skip habit: above one half, so the warm-started greedy policy
 # has the habit (RL's room to improve) while sampled rollouts still find the right workflow often
 HABIT_RATE = 0.6
@@ -57,7 +62,6 @@ CONTRAST_COPIES = 3
 # warm-starts shipped with the repository (the default's, so a first run skips the ~16-minute build); one is used
 # when its settings match the run's exactly, unless --build-warm-start
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warm_starts")
-VISION_ENVS = ("vision", "miniwob")  # screenshot observations: the tiny model is a Qwen2-VL (models/tiny.py)
 SCREEN_VERSION = 9  # bumped with the screenshot warm-up alone, so the household caches stay valid
 # (2: large cell numbers, white -> 0 pixel normalisation, lr 1e-3 and beta2 0.95; 3: the think names the target's
 # look right before its cell number, VISION_LR_SCALE, drills, VISION_INIT_STD; 4: the screenshot after the text;
@@ -84,10 +88,9 @@ SKILL_DRILLS = 1000
 # ----------------------------------------------------------------------------- demonstrations
 
 def demonstration_env(cfg, options, seed_value):
-    """The env whose expert plays the demonstrations: the run's own env on its train split (ALFWorld's
-    through the engine's planner, on synthetic games when no data is installed)."""
-    extra = {"expert_plan": True} if cfg.env == "alfworld" else {}
-    return envs.make_env(cfg.env, "train", seed_value, **options, **extra)
+    """The env whose expert plays the demonstrations: the run's own env on its train split, with the env's own
+    expert options (ALFWorld's: the engine's planner, on synthetic games when no data is installed)."""
+    return envs.make_env(cfg.env, "train", seed_value, **options, **dict(envs.spec(cfg.env).expert_options))
 
 
 WEBSHOP_SUBGOALS = (("search[", "search for the product"), ("click[buy now]", "buy the item"),
@@ -109,18 +112,11 @@ def subgoal(gt, holding, transformed, action=""):
         return "find what the task names in the screenshot"
     if gt.get("env") == "webshop":
         return next(text for prefix, text in WEBSHOP_SUBGOALS + (("", "shop"),) if action.startswith(prefix))
-    obj = gt.get("goal_object") or "object"
-    if not holding:
-        return f"find the {obj}"
-    verb = TRANSFORMS.get(gt.get("task_type"), (None,))[0]
-    if verb and not transformed:
-        return f"{verb} the {obj}"
-    if gt.get("task_type") == "look_at_obj_in_light":
-        return "find the desklamp"
-    return f"put the {obj} in the {gt.get('goal_receptacle') or 'target'}"
+    return expert_thought(gt, holding, transformed)
 
 
-def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="household", skill=None, habit_rate=0.0):
+def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="household", skill=None, habit_rate=0.0,
+                   hint=None):
     """Play one episode with the env's expert. The executed action is the expert's with probability
     1 - epsilon (else a random admissible one; and with probability epsilon / 2 a command that was admissible
     earlier but is not now, which the env answers "Nothing happens."); every step is labelled with the
@@ -130,23 +126,27 @@ def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="house
     the demonstration stops at that placement (the demonstrator thinks it is done), so the policy learns the
     habit as a habit and never sees it repaired. RL has to unlearn it; a skill that says "heat it first" (the
     skill-following demonstrations never have the habit) shows how.
-    With `skill`, the oracle expert acts (it knows where objects are, as the skill tells) and prompts
-    carry the skill block. Returns (trajectory, labelled examples [(prompt, response)], corrections): for a
-    habit episode, the steps whose habit label differs from the right one, as (prompt, right response), which
-    demonstrations() pairs with the episode's own skill; else []."""
+    With `skill`, prompts carry the skill block; the expert then acts on what the skill says when `hint` is given
+    (the receptacles it names, searched first: the household env, whose skill-following demonstrations must
+    depend on the skill's content), else as an oracle that knows where objects are (the other envs).
+    Returns (trajectory, labelled examples [(prompt, response)], corrections): for a habit episode, the steps
+    whose habit label differs from the right one, as (prompt, right response), which skill_following pairs with
+    the episode's skills; else []."""
     observation, info = env.reset(task_seed)
-    habit = info.get("task_type") in HABIT_TASKS and rng.random() < habit_rate and skill is None  # a skill cures it
-    oracle = skill is not None
+    habit = info.get("task_type") in HABIT_TASKS and rng.random() < habit_rate
+    oracle, options = skill is not None and hint is None, {"hint": hint} if hint else {}  # hint=(): no oracle
 
     def expert(noise, noise_rng=None, skip=habit):  # skip_transform only where needed: other envs' experts lack it
-        return env.expert_action(noise, noise_rng, oracle=oracle, **({"skip_transform": True} if skip else {}))
+        return env.expert_action(noise, noise_rng, oracle=oracle, **({"skip_transform": True} if skip else {}),
+                                 **options)
 
-    trajectory = {"task": info["task"], "task_type": info.get("task_type"), "won": False, "reward": 0.0,
-                  "steps": [], "gt": None}
+    trajectory = Trajectory(task=info["task"], task_type=info.get("task_type"))
+    template, screens = envs.load(envs.spec(env_name).prompt), envs.spec(env_name).screens
     history, examples, pending, done, earlier = [], [], [], False, set()
     while not done:
-        prompt = vision.user_message(seed.render_prompt(info["task"], history, vision.observation_text(observation),
-                                                     info.get("admissible", []), history_window, env_name), observation)
+        prompt = skills.render_prompt(template, info["task"], history, vision.observation_text(observation),
+                                      info.get("admissible", []), history_window)
+        prompt = vision.user_message(prompt, observation) if screens else prompt  # a text model: the text
         best = expert(0.0)
         right = expert(0.0, skip=False) if habit else best  # what a demonstrator without the habit does
         skipping = habit and best.startswith("move ") and best != right
@@ -156,28 +156,29 @@ def expert_episode(env, task_seed, epsilon, rng, history_window, env_name="house
         if stale and not skipping and rng.random() < epsilon / 2:
             action = rng.choice(stale)  # an invalid command ("Nothing happens."), so the data shows recoveries
         earlier |= admissible
+        thought = env.expert_thought(best) if hasattr(env, "expert_thought") else None  # an env that says it itself
         pending.append((prompt if skill is None else vision.same_image(prompt, skills.with_skill(prompt, skill)), best,
-                        action, right))
+                        action, right, thought))
         previous = vision.observation_text(observation)
         observation, reward, done, info = env.step(action)
-        trajectory["steps"].append({"observation": previous, "action": action, "reward": float(reward),
-                                    "valid": bool(info.get("valid", True)), "response": None})
-        trajectory["reward"] += float(reward)
+        trajectory.steps.append(Step(observation=previous, response="", action=action, reward=float(reward),
+                                     valid=bool(info.get("valid", True))))
+        trajectory.reward += float(reward)
         history.append((previous, action))
         while skipping and not done:  # the habit's placement ends the demonstration; "look" runs out the
             observation, _, done, info = env.step("look")  # clock unrecorded, for the env's ground truth
-    trajectory["won"], trajectory["gt"] = bool(info.get("won")), info.get("gt") or {}
+    trajectory.won, trajectory.gt = bool(info.get("won")), info.get("gt") or {}
     # the <think> text needs the goal from the ground truth, known at the end: fill responses now
     holding = transformed = False
     corrections = []
-    for step, (prompt, best, action, right) in zip(trajectory["steps"], pending):
-        think = subgoal(trajectory["gt"], holding, transformed or habit, best.lower())
+    for step, (prompt, best, action, right, thought) in zip(trajectory.steps, pending):
+        think = thought or subgoal(trajectory.gt, holding, transformed or habit, best.lower())
         examples.append((prompt, f"<think>{think}</think><action>{best}</action>"))
-        right_think = subgoal(trajectory["gt"], holding, transformed, right.lower())
+        right_think = thought or subgoal(trajectory.gt, holding, transformed, right.lower())
         if (right, right_think) != (best, think):
             corrections.append((prompt, f"<think>{right_think}</think><action>{right}</action>"))
-        step["response"] = f"<think>{think}</think><action>{action}</action>"
-        if step["valid"]:
+        step.response = f"<think>{think}</think><action>{action}</action>"
+        if step.valid:
             verb = action.split(" ", 1)[0]
             holding = verb == "take" or (holding and verb != "move")
             transformed = transformed or verb in ("heat", "cool", "clean")
@@ -227,7 +228,7 @@ def skill_drills(count, history_window, seed_value=0):
     skill, 0.490 with one that names its cell). Half the skills quote the task with another colour, as the
     self-written ones often do: the think's look words follow the task line and the pixels, not the quote
     (version 6's teacher delta at won steps -0.506, version 8's -0.025)."""
-    from simulators.vision import ACTIONS, COLORS, GRID, OBSERVATION, SHAPES, render
+    from simulators.vision import ACTIONS, COLORS, GRID, OBSERVATION, PROMPT, SHAPES, render
     rng, drills = random.Random(f"skill drills {seed_value}"), []
     for _ in range(count):
         color, shape = rng.choice(list(COLORS)), rng.choice(SHAPES)
@@ -241,7 +242,7 @@ def skill_drills(count, history_window, seed_value=0):
         lost = {"task": quoted, "won": False, "targets": [right], "clicked": [[twin, [color, shape]]],
                 "mistake": {"cell": twin}}
         skill = rng.choice(vision_annotations(won)[1] + vision_annotations(lost)[1])
-        prompt = seed.render_prompt(task, [], OBSERVATION, list(ACTIONS), history_window, "vision")
+        prompt = skills.render_prompt(PROMPT, task, [], OBSERVATION, list(ACTIONS), history_window)
         image = render({cell - 1: tuple(look) for cell, look in items.items()})
         think = subgoal({"env": "vision", "items": items}, False, False, f"click {right}")
         drills.append((vision.ImageText(skills.with_skill(prompt, skill), image),
@@ -255,6 +256,7 @@ def demonstrations(env, n_episodes, history_window, seed_value=0, env_name="hous
     mixed noise (epsilon 0 to 0.6: successes and failures for the analyzer) and the skip habit on a
     habit_rate share of heat/cool/clean episodes."""
     rng = random.Random(seed_value)
+    annotate = envs.load(envs.spec(env_name).annotator)
     act, follow, analyze = [], [], []
     for episode in tqdm(range(n_episodes), desc=desc, leave=False):
         task_seed = rng.randrange(10 ** 6)
@@ -262,155 +264,80 @@ def demonstrations(env, n_episodes, history_window, seed_value=0, env_name="hous
         trajectory, examples, corrections = expert_episode(env, task_seed, epsilon, rng, history_window, env_name,
                                                            habit_rate=habit_rate if env_name == "household" else 0.0)
         act += examples
-        completion = annotate(trajectory, trajectory["gt"], rng=rng)
+        completion = skills.skill_json(*annotate(trajectory, trajectory.gt, rng))
         analyze.append((trajectory, completion))
-        skill = skills.parse_skill(completion, task=trajectory["task"])
-        if skill is not None and hasattr(env, "expert_action"):
-            _, followed, _ = expert_episode(env, task_seed, 0.0, rng, history_window, env_name, skill=skill)
-            # contrast pairs: the habit's own prompts labelled with the habit, and the same prompts with its
-            # skill in them labelled right, so the skill is the one difference; rare (the steps from taking
-            # the object to its placement), hence CONTRAST_COPIES copies
-            habit_labels = dict(examples)
-            pairs = [pair for p, r in corrections for pair in ((p, habit_labels[p]), (skills.with_skill(p, skill), r))]
-            follow += followed + pairs * CONTRAST_COPIES
+        skill = skills.parse_skill(completion, task=trajectory.task)
+        if skill is not None and env_name == "household":  # the skill's content decides (skill_following)
+            follow += skill_following(env, task_seed, skill, trajectory, examples, corrections, rng, history_window,
+                                      habit_rate)
+        elif skill is not None and hasattr(env, "expert_action"):
+            follow += expert_episode(env, task_seed, 0.0, rng, history_window, env_name, skill=skill)[1]
     return act, follow, analyze
 
 
-@functools.lru_cache(maxsize=8)  # every evaluation of a run asks for the same decisions
-def habit_decisions(split, count=48, history_window=3, max_steps=20):
-    """The decision the skip habit gets wrong, on `count` heat/cool/clean tasks of a household split: the prompt
-    when the expert has just taken the goal object, with the right response (go and transform it) and the
-    habit's (carry it to the target), in the demonstrations' format, and the skill that names the mistake
-    (as the annotator would). -> [(prompt, right, habit, skill)]."""
-    decisions, task_seed = [], 0
-    while len(decisions) < count and task_seed < 50 * count:
-        env = envs.make_env("household", split, task_seed, max_steps=max_steps)
-        observation, info = env.reset(task_seed)
-        task_seed += 1
-        history, done = [], info.get("task_type") not in HABIT_TASKS
-        while not done:
-            if env.holding is not None and kind_of(env.holding) == env.goal_object:
-                prompt = seed.render_prompt(info["task"], history, observation, info["admissible"], history_window)
-                goal = {"task_type": env.task_type, "goal_object": env.goal_object,
-                        "goal_receptacle": env.goal_receptacle}
-                right = f"<think>{subgoal(goal, True, False)}</think><action>{env.expert_action()}</action>"
-                habit = (f"<think>{subgoal(goal, True, True)}</think>"
-                         f"<action>{env.expert_action(skip_transform=True)}</action>")
-                verb, appliance, _ = TRANSFORMS[env.task_type]
-                skill = (f"{verb.capitalize()} the {env.goal_object} with {appliance} 1 right after taking "
-                         f"it; carrying it straight to the {env.goal_receptacle} fails the task.")
-                decisions.append((prompt, right, habit, skill))
-                break
-            action = env.expert_action()
-            history.append((observation, action))
-            observation, _, done, info = env.step(action)
-    return decisions
+GENERIC_SKILLS = ("Look around the room carefully before acting.", "Take your time and think before each action.",
+                  "Read the observation and choose a sensible action.", "Be careful and avoid wasting steps.")
 
 
-def habit_task_seeds(count, split="train"):
-    """The first `count` task seeds of a household split whose task is heat, cool or clean."""
-    env, found, task_seed = envs.make_env("household", split, 0), [], 0
-    while len(found) < count:
-        if env.reset(task_seed)[1]["task_type"] in HABIT_TASKS:
-            found.append(task_seed)
-        task_seed += 1
-    return found
+def named_places(text, receptacles, exclude=()):
+    """The room's receptacles a skill names, in the order it names them, less `exclude` (the target) and the
+    tools it names ("with microwave 1"): where it says the object is."""
+    found = [(match.start(), r) for r in receptacles if r not in exclude
+             for match in [re.search(rf"(?<!with )(?<!with the )\b{re.escape(r)}\b", text)] if match]
+    return [r for _, r in sorted(found)]
 
 
-def habit_probe(policy, decisions, temperature=1.0, with_skill=False):
-    """Mean over decisions of P(right) / (P(right) + P(habit)), whole-response probabilities under the policy:
-    0.5 = no preference, 1 = the habit unlearned. The warm-start's value shows how strong the habit is; its
-    rise under RL is the learning a success rate shows only through the evaluation noise. with_skill: the
-    decision's skill sits in the prompt (skills.with_skill), as in the teacher context."""
-    stop = policy.stop_ids[0] if policy.stop_ids else policy.tokenizer.eos_token_id
-    prompts = [skills.with_skill(d[0], d[3]) if with_skill else d[0] for d in decisions]
-    prompts = [seed.encode_chat(policy.tokenizer, prompt) for prompt in prompts] * 2
-    responses = [policy.tokenizer(text, add_special_tokens=False)["input_ids"] + [stop]
-                 for column in (1, 2) for text in [decision[column] for decision in decisions]]
-    logp = seed.response_logprobs(policy.model, prompts, responses, policy.pad_id, temperature).sum(-1)  # (2n,)
-    right, habit = logp.view(2, len(decisions))                                                       # (n,), (n,)
-    return torch.sigmoid(right - habit).mean().item()
+def skill_following(env, task_seed, skill, trajectory, examples, corrections, rng, history_window, habit_rate):
+    """The household env's skill-following demonstrations, in which what a skill says decides what is done, so a
+    teacher context helps only as far as its skill is right (issue: a skill block alone must fix nothing):
+      - the episode with its own skill in the prompts, the expert searching first where the skill says the
+        object is (no habit: the skill names the step);
+      - with the skill's places swapped for others of the room: the expert searches there first (and then on);
+      - with a content-free skill (GENERIC_SKILLS): the plain demonstrator, habit and all;
+      - at the habit's decision (the contrast steps): without a skill the habit; with the own skill the right
+        appliance; with the skill's verb and appliance swapped for another of the room, that appliance; with a
+        content-free skill the habit. Rare steps, hence CONTRAST_COPIES copies."""
+    gt = trajectory.gt or {}
+    verb_of = {appliance: verb for verb, appliance, _ in TRANSFORMS.values()}
+    appliances = [r for r in env.receptacles if kind_of(r) in verb_of]
+    exclude = [r for r in env.receptacles if kind_of(r) == gt.get("goal_receptacle")]
+    places = named_places(skill, env.receptacles, exclude)
+    task_verb = TRANSFORMS.get(gt.get("task_type"), (None, None))
+    names_step = task_verb[0] is None or task_verb[0] in skill.lower()  # else the habit stays, as without it
+    follow = expert_episode(env, task_seed, 0.0, rng, history_window, skill=skill, hint=places,
+                            habit_rate=0.0 if names_step else habit_rate)[1]
+    others = [r for r in env.receptacles if r not in exclude and r not in places]
+    if places and others:  # the same skill, naming other places: the search goes there first
+        swap = dict(zip(places, rng.sample(others, min(len(places), len(others)))))
+        wrong = re.sub("|".join(rf"\b{re.escape(p)}\b" for p in swap), lambda m: swap[m.group(0)], skill)
+        follow += expert_episode(env, task_seed, 0.0, rng, history_window, skill=wrong,
+                                 hint=named_places(wrong, env.receptacles, exclude),
+                                 habit_rate=0.0 if names_step else habit_rate)[1]
+    generic = rng.choice(GENERIC_SKILLS)
+    follow += expert_episode(env, task_seed, 0.0, rng, history_window, skill=generic, habit_rate=habit_rate,
+                             hint=())[1]
+    habit_labels, obj = dict(examples), gt.get("goal_object") or "object"
+    other = [a for a in appliances if kind_of(a) != task_verb[1]]
+    pairs = []
+    for prompt, right in corrections:
+        pairs += [(prompt, habit_labels[prompt]), (skills.with_skill(prompt, skill), right),
+                  (skills.with_skill(prompt, generic), habit_labels[prompt])]
+        if other and task_verb[0] and names_step:  # the skill's step, swapped for another appliance's
+            appliance = rng.choice(other)
+            verb = verb_of[kind_of(appliance)]
+            swapped = re.sub(rf"\b{task_verb[1]}\b(?! \d)", kind_of(appliance),
+                             skill.replace(f"{task_verb[1]} 1", appliance))
+            swapped = re.sub(rf"\b{task_verb[0]}", verb, swapped, flags=re.I)
+            pairs.append((skills.with_skill(prompt, swapped),
+                          f"<think>{verb} the {obj}</think><action>go to {appliance}</action>"))
+    return follow + pairs * CONTRAST_COPIES
 
-
-def skill_lift(policy, decisions, temperature=1.0):
-    """How far a skill in the context moves the decision it is about: habit_probe with the skill in the
-    prompt minus without it. An instruct model that follows its context lifts it well above 0."""
-    return (habit_probe(policy, decisions, temperature, with_skill=True)
-            - habit_probe(policy, decisions, temperature))
-
-
-def habit_failure(trajectory):
-    """True when a household heat/cool/clean episode failed the planted habit's way: the goal object was put
-    down at a receptacle of the target kind before any heat, cool or clean event."""
-    gt = trajectory.get("gt") or {}
-    if trajectory.get("won") or gt.get("task_type") not in HABIT_TASKS:
-        return False
-    for event in gt.get("events") or []:
-        if event["kind"] in ("heat", "cool", "clean"):
-            return False
-        if event["kind"] == "put" and kind_of(event["target"]) == gt.get("goal_receptacle"):
-            return True
-    return False
-
-
-def fixing_skill_share(trajectories, skill_list):
-    """Of the episodes that failed the habit's way, the share whose self-written skill names the fix (the
-    task's heat / cool / clean verb): (share, how many such episodes). None share when there are none."""
-    failed = [(t, s) for t, s in zip(trajectories, skill_list) if habit_failure(t)]
-    fixed = sum(s is not None and TRANSFORMS[t["gt"]["task_type"]][0] in s.lower() for t, s in failed)
-    return (fixed / len(failed) if failed else None), len(failed)
 
 
 def analyzer_examples(policy, analyzed, max_tokens):
-    count = lambda text: len(policy.tokenizer(text, add_special_tokens=False)["input_ids"])
+    """(analyzer prompt within max_tokens, completion) for each (trajectory, completion) pair."""
+    count = policy.count_tokens
     return [(skills.analyzer_prompt(t, max_tokens=max_tokens, count_tokens=count), c) for t, c in analyzed]
-
-
-def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0, prompt_weight=0.0,
-                    layout="padded"):
-    """One SFT step (warm-up and stage 1) on (prompt_text, completion_text) pairs: token-mean negative
-    log-likelihood of the completion plus end-of-turn. prompt_weight > 0 adds that times the token-mean
-    language-modelling loss on the prompt tokens (the tiny model's stand-in for pretraining: every token is
-    a training signal, which teaches it to read the task and copy names far sooner than the ~15 completion
-    tokens alone). Returns the completion loss."""
-    tokenizer, model = policy.tokenizer, policy.model
-    stop = policy.stop_ids[0] if policy.stop_ids else tokenizer.eos_token_id
-    prompts = [seed.encode_chat(tokenizer, p) for p, _ in examples]
-    completions = [tokenizer(c, add_special_tokens=False)["input_ids"] + [stop] for _, c in examples]
-    prompt_part = torch.zeros(len(prompts), dtype=torch.long)  # leading scored tokens that belong to the prompt
-    if prompt_weight > 0:  # score the whole sequence after its first token; weights split prompt/completion
-        completions = [p[1:] + c for p, c in zip(prompts, completions)]
-        prompt_part = torch.tensor([len(p) - 1 for p in prompts])
-        prompts = [p[:1] for p in prompts]
-    mask = seed.response_mask(completions)                                          # (B, R)
-    is_prompt = (torch.arange(mask.shape[1])[None, :] < prompt_part[:, None]).float()  # (B, R)
-    answer = mask * (1 - is_prompt)                                                 # (B, R)
-    weights = answer / answer.sum() + prompt_weight * is_prompt / is_prompt.sum().clamp(min=1)
-    value = 0.0
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    for rows in seed.micro_batches(prompts, completions, max_batch_tokens):
-        logp, _ = seed.forward_logprobs(model, [prompts[i] for i in rows], [completions[i] for i in rows],
-                                        policy.pad_id, layout=layout)               # (b, r)
-        micro_loss = -(logp * weights[rows, :logp.shape[1]].to(logp.device)).sum()
-        micro_loss.backward()
-        value += float(-(logp.detach() * (answer[rows, :logp.shape[1]] / answer.sum()).to(logp.device)).sum())
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    if math.isfinite(value) and torch.isfinite(grad_norm):  # a NaN/inf loss or gradient: skip the step
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return value
-
-
-def parameter_groups(model, lr, vision_lr_scale=1.0):
-    """AdamW parameter groups: a Qwen2-VL's vision tower (model.model.visual) at lr * vision_lr_scale, the rest
-    at lr (one group when the model has no tower)."""
-    tower = getattr(getattr(model, "model", None), "visual", None)
-    tower_ids = {id(p) for p in tower.parameters()} if tower is not None else set()
-    groups = [{"params": [p for p in model.parameters() if id(p) not in tower_ids], "lr": lr}]
-    if tower_ids:
-        groups.append({"params": list(tower.parameters()), "lr": lr * vision_lr_scale})
-    return groups
 
 
 def warmup_optimizer(policy, lr, steps, beta2=0.999, vision_lr_scale=1.0):
@@ -440,38 +367,90 @@ def supervised_training(policy, mixture, steps, batch_size, lr, max_batch_tokens
     for step in bar:
         batch = [rng.choice(first[1]) if step < first[0] else rng.choice(rng.choices(pools, weights)[0])
                  for _ in range(batch_size)]
-        losses.append(supervised_step(policy, optimizer, batch, max_batch_tokens, layout=layout,
+        losses.append(seed.supervised_step(policy, optimizer, batch, max_batch_tokens, layout=layout,
                                       prompt_weight=0.0 if step < first[0] else prompt_weight))  # drills: answers
         schedule.step()
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     return sum(losses[-20:]) / max(1, len(losses[-20:]))
 
 
-def warm_start(cfg, options):
-    """Path of the warm-started tiny model for this config, building and caching it when missing."""
+# what the warm-up reads, by its name in the cache key: the flag that sets it. RL-only flags (--max-steps, the
+# sizes, the coefficients) never enter the key, so they never trigger a rebuild; the demonstrations play with
+# the env's default step limit
+KEY_FLAGS = {"steps": "--warmup-steps", "seed": "--warmup-seed", "history_window": "--history-window",
+             "analysis_prompt_tokens": "--analysis-prompt-tokens", "analyzer_share": "--warmup-analyzer-share",
+             "options": "the env's own flags"}
+MINUTES_PER_1000_STEPS = 16  # the household build on an idle 2-core CPU (v9: 26 min at one thread beside other runs)
+
+
+def warmup_settings(cfg, options):
+    """The cache key's contents: exactly what build_warm_start reads."""
     settings = {"version": WARMUP_VERSION, "env": cfg.env, "steps": cfg.warmup_steps, "seed": cfg.warmup_seed,
                 "history_window": cfg.history_window, "analysis_prompt_tokens": cfg.analysis_prompt_tokens,
-                "options": {k: v for k, v in options.items() if k != "default_max_steps"}}
-    if cfg.env in VISION_ENVS:
+                "analyzer_share": cfg.warmup_analyzer_share,
+                "options": {k: v for k, v in options.items() if k != "max_steps"}}
+    if envs.spec(cfg.env).screens:
         settings["screen_version"] = SCREEN_VERSION
-    key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    path = os.path.join(cfg.cache_dir, f"tiny-{cfg.env}-{key}")
-    if os.path.exists(os.path.join(path, "warmup.json")):
+    return settings
+
+
+def warm_start(cfg, options):
+    """Path of the warm-started tiny model for this config: the cached or shipped one with these settings, else
+    one built now (saying first which flag made the build necessary and about how long it takes) and cached."""
+    settings = warmup_settings(cfg, options)
+    path, found = existing_warm_start(cfg, options)
+    if found == path:
         print(f"warm-up: reusing the cached tiny model {path}")
         return path
-    shipped = os.path.join(SHIPPED_DIR, os.path.basename(path))
-    if not cfg.build_warm_start and os.path.exists(os.path.join(shipped, "warmup.json")):
-        print(f"warm-up: using the warm-start shipped in {os.path.relpath(shipped)} (--build-warm-start builds "
+    if found:
+        print(f"warm-up: using the warm-start shipped in {os.path.relpath(found)} (--build-warm-start builds "
               f"it here instead)")
-        return shipped
-    remove_unfinished(cfg.cache_dir)
-    with atomic_folder(path) as temporary:  # complete or absent: a killed warm-up is redone, never half-used
-        with open(os.path.join(temporary, "builder.pid"), "w") as f:
-            f.write(str(os.getpid()))
-        loss = build_warm_start(cfg, options, settings, temporary)
-        os.remove(os.path.join(temporary, "builder.pid"))
+        return found
+    minutes = MINUTES_PER_1000_STEPS * cfg.warmup_steps / 1000
+    print(f"warm-up: building a tiny model for --env {cfg.env} ({why_build(cfg, settings)}), "
+          + (f"about {minutes:.0f} minutes" if minutes >= 1 else "under a minute") + " on 2 idle cores; later "
+          "runs reuse it")
+    with FolderLock(path + ".lock", "warm-up build").acquire(wait=True):  # two runs: one builds, one waits
+        if os.path.exists(os.path.join(path, "warmup.json")):  # the run it waited for built it
+            print(f"warm-up: reusing the tiny model another run just built, {path}")
+            return path
+        remove_unfinished(cfg.cache_dir)
+        with atomic_folder(path) as temporary:  # complete or absent: a killed warm-up is redone, never half-used
+            with open(os.path.join(temporary, "builder.pid"), "w") as f:
+                f.write(str(os.getpid()))
+            loss = build_warm_start(cfg, options, settings, temporary)
+            os.remove(os.path.join(temporary, "builder.pid"))
     print(f"warm-up: done, final loss {loss:.3f}, cached in {path}")
     return path
+
+
+def existing_warm_start(cfg, options):
+    """(the cache path of this config's warm-start, the folder holding it now: that path, the shipped copy
+    (unless --build-warm-start), or None)."""
+    settings = warmup_settings(cfg, options)
+    key = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(cfg.cache_dir, f"tiny-{cfg.env}-{key}")
+    shipped = os.path.join(SHIPPED_DIR, os.path.basename(path))
+    if os.path.exists(os.path.join(path, "warmup.json")):
+        return path, path
+    if not cfg.build_warm_start and os.path.exists(os.path.join(shipped, "warmup.json")):
+        return path, shipped
+    return path, None
+
+
+def why_build(cfg, settings):
+    """Which setting differs from the shipped warm-start of this env, named by its flag, or why none applies."""
+    if cfg.build_warm_start:
+        return "--build-warm-start"
+    for shipped in sorted(glob.glob(os.path.join(SHIPPED_DIR, f"tiny-{cfg.env}-*", "warmup.json"))):
+        with open(shipped) as f:
+            theirs = json.load(f)
+        differ = [key for key in settings if settings[key] != theirs.get(key)]
+        if "version" in differ or "screen_version" in differ:
+            return "the warm-up's code changed since the shipped warm-start was built"
+        return ", ".join(f"{KEY_FLAGS[key]} {settings[key]} where the shipped one has {theirs.get(key)}"
+                         for key in differ)
+    return f"no warm-start is shipped for --env {cfg.env}"
 
 
 def remove_unfinished(cache_dir):
@@ -497,13 +476,13 @@ def building(folder):
 def build_warm_start(cfg, options, settings, folder):
     """Demonstrations, a fresh tiny model and its supervised warm-up, saved into `folder`; returns the
     final loss."""
-    env = demonstration_env(cfg, options, cfg.warmup_seed)
-    n_episodes = max(64, cfg.warmup_steps)
+    env = demonstration_env(cfg, {**options, "max_steps": envs.spec(cfg.env).max_steps}, cfg.warmup_seed)
+    n_episodes = max(16, cfg.warmup_steps)  # a short (test) warm-up needs few demonstrations
     act, follow, analyzed = demonstrations(env, n_episodes, cfg.history_window, cfg.warmup_seed, cfg.env)
     follow += skill_drills(SKILL_DRILLS, cfg.history_window, cfg.warmup_seed) if cfg.env == "vision" else []
     corpus = [p + r for p, r in act[:2000] + follow[:1000]]
     corpus += [skills.analyzer_prompt(t) + c for t, c in analyzed[:1000]]
-    screens = cfg.env in VISION_ENVS
+    screens = envs.spec(cfg.env).screens
     drills = screen_drills(4000, cfg.warmup_seed) + task_drills(4000, cfg.warmup_seed) if cfg.env == "vision" else []
     if screens:
         policy = tiny.build_tiny_vlm(corpus + [p + r for p, r in drills[:500]], folder, seed=cfg.warmup_seed,
@@ -522,55 +501,13 @@ def build_warm_start(cfg, options, settings, folder):
     # a 6-way cell-number probe read 0.62 at 300 steps with 0.999, 1.00 from step 175 with 0.95)
     # screenshots: micro-batches of at most 4,096 tokens, so the short acting rows are not padded to the analyzer's
     first = (DRILL_STEPS, drills) if drills else (0, ())
-    loss = supervised_training(policy, [(0.45, act), (0.25, follow), (0.30, analyze)], first[0] + cfg.warmup_steps,
+    mixture = [(0.45, act), (0.25, follow), (cfg.warmup_analyzer_share, analyze)]  # 0: no analyzer (ablation)
+    loss = supervised_training(policy, mixture, first[0] + cfg.warmup_steps,
                                cfg.sft_batch_size, 1e-3 if screens else 3e-3,
                                min(cfg.max_batch_tokens, 4096) if screens else cfg.max_batch_tokens, cfg.warmup_seed,
                                prompt_weight=0.3, layout="padded" if screens else "packed",
                                beta2=0.95 if screens else 0.999, vision_lr_scale=VISION_LR_SCALE, first=first)
-    policy.model.save_pretrained(folder)
-    policy.tokenizer.save_pretrained(folder)
+    save_policy(policy, folder)
     with open(os.path.join(folder, "warmup.json"), "w") as f:
         json.dump({**settings, "final_loss": loss, "examples": [len(act), len(follow), len(analyze)]}, f, indent=1)
     return loss
-
-
-def stage1_sft(cfg, policy, options):
-    """Stage 1: teach the policy to analyze trajectories, on --sft-data JSONL or on the annotator's skills
-    for expert episodes (successes and failures) of the training split."""
-    if cfg.sft_steps == 0:
-        return
-    if cfg.sft_data:
-        examples = [(r["prompt"], r["completion"]) for r in read_jsonl(cfg.sft_data)]
-        source = cfg.sft_data
-        if not examples:
-            raise ValueError(f"--sft-data {cfg.sft_data}: no records (expected one JSON object per line)")
-    else:
-        env = demonstration_env(cfg, options, cfg.seed + 1)
-        # the env's own episodes, and no planted habit: that belongs to the tiny household demo alone
-        _, _, analyzed = demonstrations(env, max(32, cfg.sft_steps), cfg.history_window, cfg.seed + 1, cfg.env,
-                                        desc="stage-1 data", habit_rate=0.0)
-        examples = analyzer_examples(policy, analyzed, cfg.analysis_prompt_tokens)
-        source = "warmup.annotator.annotate on expert episodes"
-    loss = supervised_training(policy, [(1.0, examples)], cfg.sft_steps, cfg.sft_batch_size, cfg.sft_lr,
-                               cfg.max_batch_tokens, cfg.seed, desc="stage 1",
-                               layout="padded" if cfg.env in VISION_ENVS else "packed")
-    print(f"stage 1: {cfg.sft_steps} steps on {len(examples)} examples from {source}, final loss {loss:.3f}")
-
-
-def start_model(cfg, options):
-    """Folder of the policy RL starts from, made on first use: the tiny model's cached warm-up (whose
-    mixture includes stage 1), or an HF model after stage-1 analyzer SFT (saved in <out-dir>/sft), or the
-    HF model itself for --stage rl, --algo grpo or --sft-steps 0."""
-    from models.policy import load_policy
-    if cfg.model == "tiny":
-        return warm_start(cfg, options)
-    if cfg.stage == "rl" or cfg.algo == "grpo" or cfg.sft_steps == 0:
-        return cfg.model
-    path = os.path.join(cfg.out_dir, "sft")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        policy = load_policy(cfg.model, cfg.device, cfg.dtype, cfg.gradient_checkpointing)
-        stage1_sft(cfg, policy, options)
-        with atomic_folder(path) as temporary:  # complete or absent
-            policy.model.save_pretrained(temporary)
-            policy.tokenizer.save_pretrained(temporary)
-    return path

@@ -1,15 +1,16 @@
-"""warmup/annotator.py: the stage-1 data maker -- a rule-based hindsight annotator, and the JSONL of its records.
+"""annotators/text_worlds.py: the stage-1 data maker for the text worlds -- a rule-based hindsight annotator for
+household, ALFWorld and WebShop episodes (envs.py names it as their annotator).
 
-annotate(trajectory, gt) writes the completion stage 1 trains the analyzer on: JSON {"episode_summary",
-"episode_skill"}, for a success the workflow with its decisive observations, for a failure the first
-decisive mistake and what to do instead, in rng-drawn phrasings. It reads the env's ground truth (household
-gt, ALFWorld's pddl_params plus the observations, the vision and MiniWoB gt). write_jsonl / read_jsonl keep
-{"prompt", "completion"} records, so a strong LLM's annotations can replace `annotate` (--sft-data).
+annotate(trajectory, gt, rng) writes what stage 1 trains the analyzer on (seed.hindsight_examples turns it into
+the JSON {"episode_summary", "episode_skill"}): for a success the workflow with its decisive observations, for a
+failure the first decisive mistake and what to do instead, in rng-drawn phrasings. It reads the env's ground
+truth (household gt, ALFWorld's pddl_params plus the observations). The screenshot envs' annotators live with
+those envs (simulators/vision.py, adapters/miniwob.py); annotators/jsonl.py keeps {"prompt", "completion"}
+records, so a strong LLM's annotations can replace these (train.py --sft-data).
 
 Departure from the paper: the paper's stage-1 skills were written by a strong external LLM.
 """
 import json
-import os
 import random
 import re
 import zlib
@@ -108,19 +109,19 @@ def _at(receptacle, shown=None):
 def _facts(trajectory, gt):
     """What the annotator knows. Household gt gives object locations, closed receptacles and events; for ALFWorld
     (pddl_params only) they are read from the observations and the valid actions."""
-    steps, task_type = trajectory.get("steps") or [], gt.get("task_type") or ""
+    steps, task_type = trajectory.steps, gt.get("task_type") or ""
     verb, params = _TASK_VERB.get(task_type), gt.get("pddl_params") or {}
     goal = _kind(gt.get("goal_object") or params.get("object_target"))
     if not goal:
         raise ValueError("annotate needs gt['goal_object'] (household) or gt['pddl_params']['object_target']")
     tool_kind = _kind(gt.get("tool") or (params.get("toggle_target") if verb == "use" else None)) or \
         _TOOL_KIND.get(verb) or ("lamp" if verb == "use" else None)
-    invalid = set(gt.get("invalid_steps") or []) | {i for i, step in enumerate(steps) if not step.get("valid", True)}
-    actions = [_one_line(step.get("action")) for step in steps]
+    invalid = set(gt.get("invalid_steps") or []) | {i for i, step in enumerate(steps) if not step.valid}
+    actions = [_one_line(step.action) for step in steps]
     events = gt["events"] if isinstance(gt.get("events"), list) else [
         dict(event, step=i) for i, event in enumerate(map(_parse_action, actions)) if event and i not in invalid]
     seen, closed = {}, set(gt.get("closed_receptacles") or [])
-    texts = [_one_line(step.get("observation")).lower() for step in steps]
+    texts = [_one_line(step.observation).lower() for step in steps]
     for text in texts:  # "On the X, you see ...", "The X is open. In it, you see ...", "The X is closed."
         for place, listing in re.findall(r"(?:on the|the) ([a-z]+ \d+)(?:,| is open\. in it,) you see ([^.]*)\.", text):
             for item in _items(listing):
@@ -140,10 +141,10 @@ def _facts(trajectory, gt):
     return {"family": family, "verb": verb, "goal": goal, "tool_kind": tool_kind,
             "tool": next(filter(None, tools)), "target": target, "locations": locations, "closed": closed,
             "room": room, "seen": seen, "typical": typical[:2], "events": events, "actions": actions,
-            "invalid": invalid, "steps": len(steps), "won": bool(gt.get("won", trajectory.get("won"))),
+            "invalid": invalid, "steps": len(steps), "won": bool(gt.get("won", trajectory.won)),
             "taken": [event for event in events if event["kind"] == "take" and _kind(event["object"]) == goal],
             "needed": 2 if task_type == "pick_two_obj_and_place" else 1,
-            "task": _one_line(gt.get("task") or trajectory.get("task"))}
+            "task": _one_line(gt.get("task") or trajectory.task)}
 
 
 def _success(facts, rng):
@@ -283,94 +284,39 @@ def _failure(facts, rng):
 
 
 def annotate(trajectory, gt=None, rng=None):
-    """The stage-1 completion for `trajectory`: JSON {"episode_summary", "episode_skill"}, a skill of one or two
-    sentences under 60 words. gt: the env's info["gt"] (household or ALFWorld), default trajectory["gt"]; rng: a
+    """(summary, skill) for a finished text-world trajectory (a seed.Trajectory): a skill of one or two sentences
+    under 60 words. gt: the env's info["gt"] (household, ALFWorld or WebShop), default trajectory.gt; rng: a
     random.Random choosing among phrasings, default one seeded from the trajectory (repeatable)."""
-    gt = gt if gt is not None else trajectory.get("gt")
+    gt = gt if gt is not None else trajectory.gt
     if not isinstance(gt, dict):
         raise ValueError("annotate needs the env's ground truth dict (info['gt'] of the last step)")
     if rng is None:
-        key = json.dumps([trajectory.get("task"), [step.get("action") for step in trajectory.get("steps") or []]])
+        key = json.dumps([trajectory.task, [step.action for step in trajectory.steps]])
         rng = random.Random(zlib.crc32(key.encode("utf-8", "replace")))
-    if gt.get("env") in ("vision", "miniwob"):
-        summary, skill = (_vision_annotation if gt["env"] == "vision" else _miniwob_annotation)(trajectory, gt, rng)
-        return json.dumps({"episode_summary": summary, "episode_skill": skill}, ensure_ascii=False)
     facts = _facts(trajectory, gt)
-    summary, skill = (_success if facts["won"] else _failure)(facts, rng)
-    return json.dumps({"episode_summary": summary, "episode_skill": skill}, ensure_ascii=False)
+    return (_success if facts["won"] else _failure)(facts, rng)
 
 
-def _vision_annotation(trajectory, gt, rng):
-    """Screenshot click tasks (simulators/vision.py gt): vision_annotations' summary and one of its skills."""
-    summary, options = vision_annotations(gt)
-    return summary, rng.choice(options)
-
-
-def vision_annotations(gt):
-    """(summary, the skills the annotator may write) for a screenshot click episode's gt: only what the episode's
-    text shows, for a success the target cells, for a failure the cell clicked wrongly or in vain. Not where a
-    missed target was nor what an item looked like: an analyzer that reads the screen no better than the policy
-    could only guess those, and a teacher given a guess pushes towards it (docs/vision.md)."""
-    targets = " then ".join(f"cell {c}" for c in gt["targets"])
-    clicks = [f"cell {c}" for c, _ in gt["clicked"]] or ["nothing"]
-    if gt["won"]:  # the cells, not their looks: the text shows which clicks made an item disappear, not its colour
-        return (f"The agent solved '{gt['task']}' by clicking {', '.join(clicks)}.",
-                [f"For '{gt['task']}' the targets were {targets}; find them by colour and shape.",
-                 f"'{gt['task']}': click {targets}; read colour and shape before each click."])
-    mistake = gt.get("mistake")
-    if mistake:
-        return (f"The agent failed '{gt['task']}': it clicked cell {mistake['cell']}, a wrong item.",
-                [f"Mistake: cell {mistake['cell']} was not what '{gt['task']}' asks for; check colour and shape "
-                 "before clicking.",
-                 f"Avoid cell {mistake['cell']}: the wrong item for '{gt['task']}'. Click only an item whose colour "
-                 "and shape match."])
-    what = "invalid actions" if gt.get("invalid_steps") else "empty cells"
-    return (f"The agent failed '{gt['task']}': it used its steps on {what} ({', '.join(clicks)}).",
-            [f"Answer 'click N' with the cell of the item '{gt['task']}' names, not {what}.",
-             f"Do not waste steps on {what} ({', '.join(clicks)}); find the item the task names and click its cell."])
-
-
-def _miniwob_annotation(trajectory, gt, rng):
-    """MiniWoB (adapters/miniwob.py gt): the actions that worked, or the scripted solution the failure missed."""
-    done = "; ".join(gt.get("actions") or []) or "nothing"
-    plan = "; ".join(gt.get("expert_plan") or [])
-    if gt["won"]:
-        return (f"The agent solved '{gt['task']}' with: {done}.",
-                rng.choice([f"Read the task and act on the element it names: {done}.", f"Workflow: {done}."]))
-    summary = f"The agent failed '{gt['task']}' (score {gt.get('score', 0):g}) after: {done}."
-    if plan:
-        return summary, rng.choice([f"The solution was: {plan}. Act on the elements the task names.",
-                                    f"Mistake: {done} did not solve it; do {plan}."])
-    return summary, f"Read the task again and act on the element it names; {done} did not solve it."
-
-
-def _checked(record, where):
-    if not (isinstance(record, dict) and all(isinstance(record.get(key), str) for key in ("prompt", "completion"))):
-        raise ValueError(f"{where}: expected a dict with string 'prompt' and 'completion'")
-    return record
-
-
-def write_jsonl(path, records):
-    """Write {"prompt", "completion"} records one per line (UTF-8); checks every record before writing."""
-    records = [_checked(record, f"record {index}") for index, record in enumerate(records)]
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-
-
-def read_jsonl(path):
-    """Read {"prompt", "completion"} records; blank lines are skipped, a bad line raises naming file:line."""
-    records = []
-    with open(path, "rb") as handle:  # bytes: a line that is not UTF-8 is reported with its number too
-        for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ValueError(f"{path}:{number}: not UTF-8 (byte {error.start + 1} of the line)") from None
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: malformed JSON ({error.msg}, column {error.colno})") from None
-                records.append(_checked(record, f"{path}:{number}"))
-    return records
+def names_fix(trajectory, skill):
+    """Whether a skill written about a failed episode names the fix its ground truth gives (the self-analysis
+    probe's "fixing skills"): the first decisive mistake, as the annotator finds it, and the words that fix it --
+    the verb or appliance of a skipped or wrong heat / cool / clean step, the object a wrong one was taken
+    instead of, the closed or unchecked place where the object was, the commands to use instead of ones that did
+    nothing. None for a success (nothing to fix); False for a skill that did not parse."""
+    if trajectory.won or not isinstance(trajectory.gt, dict):
+        return None
+    if not skill:
+        return False
+    facts = _facts(trajectory, trajectory.gt)
+    _, _, name, details = min(_mistakes(facts), key=lambda mistake: mistake[:2])
+    places = sorted(set(facts["locations"].values()))
+    fixes = {"wrong_tool": [facts["tool_kind"]], "placed_early": [facts["verb"], facts["tool_kind"]],
+             "wrong_object": [facts["goal"]], "closed": [details.get("place"), "open"],
+             "circling": places, "never_found": places,
+             "invalid": ["admissible", "listed", "action tag", "open"] if "open" in details.get("hint", "") or
+             not details.get("what", "").startswith("'") else ["admissible", "listed"],
+             "unfinished": {"transform": [facts["verb"], facts["tool_kind"]], "lamp": ["lamp", "use"],
+                            "second": ["second", "two", "another"], "place": [facts["target"]],
+                            "finish": [facts["goal"]]}.get(details.get("stage"), [])}[name]
+    text = skill.lower()
+    return any(word and word.lower() in text for word in fixes)

@@ -1,0 +1,1 @@
+"""Stage-1 data makers: rule-based hindsight annotators and the JSONL of their records."""

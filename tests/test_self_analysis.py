@@ -1,0 +1,150 @@
+"""
+tests/test_self_analysis.py: the analyzer measured and trained -- the self-analysis probe (evaluation/
+self_analysis.py: a fixed probe set, cached; parse failures, fixing skills, skill lift), the fixes the annotators
+check (names_fix), the shuffled-skill ablation, --analyzer start, and --analyzer-training (training/analyzer.py).
+
+    python -m pytest -q tests/test_self_analysis.py
+"""
+import json
+
+import pytest
+import torch
+
+import envs
+import seed
+import train
+from annotators.text_worlds import names_fix
+from evaluation import self_analysis
+from test_seed import FAILURES, TRAIN_FLAGS, fresh, read_lines, run_train
+from training.analyzer import analyzer_examples, trajectory_deltas
+
+
+def probe_config(**flags):
+    cfg = train.get_config(["--max-steps", "3", "--max-new-tokens", "8", "--analysis-max-new-tokens", "16",
+                            "--analysis-prompt-tokens", "1024"])
+    for name, value in flags.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
+def test_probe_set_is_recorded_once_cached_and_rebuilt_when_corrupt(tiny, tmp_path, capsys):
+    policy, _ = tiny
+    cfg, template = probe_config(), envs.load(envs.spec("household").prompt)
+    path = str(tmp_path / "probe_set.json")
+    first = self_analysis.probe_set(policy, cfg, template, {"max_steps": 3}, path)
+    assert len(first) == self_analysis.PROBE_TASKS and all(t.gt is not None for t in first)
+    assert [t.seed for t in first] == list(range(self_analysis.PROBE_TASKS))
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(said) == 1 and "none cached yet" in said[0], said
+    again = self_analysis.probe_set(None, cfg, template, {"max_steps": 3}, path)  # read, never re-recorded
+    assert [(t.task, [s.action for s in t.steps]) for t in again] == [(t.task, [s.action for s in t.steps])
+                                                                      for t in first]
+    assert not capsys.readouterr().out
+    for damage in ("{ torn", json.dumps({"env": "vision", "trajectories": []})):
+        (tmp_path / "probe_set.json").write_text(damage)
+        rebuilt = self_analysis.probe_set(policy, cfg, template, {"max_steps": 3}, path)
+        said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+        assert len(said) == 1 and "unusable" in said[0] and len(rebuilt) == len(first), said
+
+
+def test_the_probe_gives_the_same_numbers_twice_and_counts_unparsed_analyses(tiny, tmp_path, monkeypatch):
+    policy, _ = tiny
+    cfg, template = probe_config(), envs.load(envs.spec("household").prompt)
+    probes = self_analysis.probe_set(policy, cfg, template, {"max_steps": 3}, str(tmp_path / "p.json"))
+    factory = lambda i: envs.make_env("household", "valid_seen", i, max_steps=3)
+    without = [0.0] * len(probes)
+    first = self_analysis.self_analysis(policy, cfg, probes, template, factory, without)
+    second = self_analysis.self_analysis(policy, cfg, probes, template, factory, without)
+    print(f"\nthe tiny random model's probe: {first}")
+    assert first == second and set(first) == {"parse_fail", "fixing", "lift", "raw_lift"}
+    assert first["parse_fail"] == 1.0  # a random model's analyses never parse: no skill, no crash
+    assert first["lift"] == 0.0 and first["raw_lift"] == 0.0  # no skill in either condition
+    # skills that parse (a stand-in analyzer): the shuffled condition gives each task another task's skill
+    monkeypatch.setattr(seed, "analyze", lambda policy, trajectories, *a, **k: (
+        [f"Skill number {i}: search the drawers before the shelves." for i in range(len(trajectories))],
+        [""] * len(trajectories)))
+    given = []
+    rollout = seed.rollout
+    monkeypatch.setattr(seed, "rollout", lambda *a, **k: given.append(k["skill_per_rollout"]) or rollout(*a, **k))
+    parsed = self_analysis.self_analysis(policy, cfg, probes, template, factory, without)
+    own, shuffled = given
+    assert parsed["parse_fail"] == 0.0 and all(a != b for a, b in zip(own, shuffled)) and sorted(own) == sorted(
+        shuffled), (own, shuffled)
+
+
+def test_shuffled_never_gives_a_task_its_own_skill():
+    assert self_analysis.shuffled(["a", None, "c", "d"]) == ["c", "c", "d", "a"]
+    assert self_analysis.shuffled([None, "b"]) == ["b", None]
+    assert self_analysis.shuffled([None, None]) == [None, None]
+
+
+def test_names_fix_reads_the_first_decisive_mistake():
+    placed, _, _ = FAILURES["placed before heating"]
+    assert names_fix(placed, "Heat the apple with microwave 1 before you put it down.") is True
+    assert names_fix(placed, "Look around the room carefully before acting.") is False
+    assert names_fix(placed, None) is False
+    closed, _, _ = FAILURES["closed not opened"]
+    assert names_fix(closed, "The apple was in drawer 2: open closed drawers.") is True
+    won = FAILURES["never found"][0]
+    assert names_fix(seed.Trajectory(won=True, gt=won.gt), "anything at all") is None
+
+
+def test_every_evaluation_reports_the_probe_and_the_final_summary_line(tiny, tmp_path, capsys):
+    flags = TRAIN_FLAGS + ["--model", tiny[1], "--stage", "rl", "--eval-tasks", self_analysis.PROBE_TASKS]
+    run_train(*flags, "--out-dir", tmp_path / "out")
+    output = capsys.readouterr().out
+    evals = read_lines(tmp_path / "out" / "eval.jsonl")
+    seen = [e["probes"] for e in evals if e["split"] == "valid_seen"]
+    assert len(seen) == 2 and all({"parse_fail", "fixing", "lift", "raw_lift"} <= set(p) for p in seen), seen
+    assert all("lift" not in e["probes"] for e in evals if e["split"] == "valid_unseen")
+    assert "parse_fail" in output and "self-analysis probe, first to last evaluation: parse failures" in output
+    assert (tmp_path / "out" / self_analysis.FILE_NAME).exists()  # an HF-style start: the set sits in the out dir
+
+
+def test_teacher_skill_shuffled_rotates_by_a_group(tiny, tmp_path, monkeypatch):
+    """--teacher-skill shuffled: each trajectory's teacher gets the skill of the same position in the next group."""
+    seen = []
+    monkeypatch.setattr(seed, "analyze", lambda policy, trajectories, *a, **k: (
+        [f"Skill {t.group}-{i}: search the drawers before the shelves." for i, t in enumerate(trajectories)],
+        [""] * len(trajectories)))
+    step_rows = seed.step_rows
+    monkeypatch.setattr(seed, "step_rows", lambda t, skill_list: seen.append(skill_list) or step_rows(t, skill_list))
+    run_train(*TRAIN_FLAGS, "--model", tiny[1], "--stage", "rl", "--updates", 1, "--teacher-skill", "shuffled",
+              "--out-dir", tmp_path / "out")
+    (skill_list,) = seen
+    assert [s.split(":")[0] for s in skill_list] == ["Skill 1-2", "Skill 1-3", "Skill 0-0", "Skill 0-1"], skill_list
+
+
+def test_the_start_analyzer_never_changes_while_the_policy_does(tiny, tmp_path, monkeypatch):
+    """--analyzer start: every update's skills come from the frozen start model, whose weights stay as they were;
+    the policy's move (--analyzer policy: the policy itself analyzes)."""
+    used = []
+    analyze = seed.analyze
+    monkeypatch.setattr(seed, "analyze", lambda policy, *a, **k: used.append(
+        [p.detach().clone() for p in policy.model.parameters()][:3]) or analyze(policy, *a, **k))
+    flags = TRAIN_FLAGS + ["--model", tiny[1], "--stage", "rl", "--updates", 3, "--lr", 1e-3, "--eval-tasks", 1]
+    run_train(*flags, "--analyzer", "start", "--out-dir", tmp_path / "start")
+    assert len(used) == 3 and all(torch.equal(a, b) for weights in used[1:] for a, b in zip(used[0], weights))
+    used.clear()
+    run_train(*flags, "--out-dir", tmp_path / "policy")
+    assert len(used) == 3 and not all(torch.equal(a, b) for a, b in zip(used[0], used[-1]))
+
+
+@pytest.mark.parametrize("kind", ["confirmed", "lift", "anchor"])
+def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kind, tmp_path, capsys):
+    policy = fresh(tiny[0])
+    cfg = probe_config()
+    rows = seed.step_rows(trajectories, ["Heat the apple with microwave 1 first."] * len(trajectories))
+    _, teacher, _, has_teacher = seed.rescore(policy, rows, need_old=False)
+    skill_list = ["Heat it with microwave 1 before putting it down."] * 4
+    texts = ['{"episode_summary": "s", "episode_skill": "Heat it with microwave 1 first."}'] * 4
+    chosen = analyzer_examples(kind, policy, policy, cfg, trajectories, skill_list, texts, rows, teacher,
+                               has_teacher)
+    assert all(prompt.startswith("Analyze the agent's episode.") for prompt, _ in chosen)
+    if kind == "lift":
+        deltas = trajectory_deltas(rows, teacher, has_teacher)
+        assert len(chosen) == sum((deltas[i] > 0) == t.won for i, t in enumerate(trajectories) if i in deltas)
+    run_train(*TRAIN_FLAGS, "--model", tiny[1], "--stage", "rl", "--updates", 1, "--analyzer-training", kind,
+              "--out-dir", tmp_path / "out")
+    (metrics,) = read_lines(tmp_path / "out" / "metrics.jsonl")
+    assert "analyzer_examples" in metrics and metrics["skipped"] is None, metrics

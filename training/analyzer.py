@@ -1,0 +1,75 @@
+"""training/analyzer.py: beyond the paper and off by default (--analyzer-training none) -- one extra SFT step per
+update on chosen analyses, so the policy stays a good analyzer while RL trains only its action tokens (measured
+without it: the share of analyses that do not parse rises over training, docs/experiments.md). Which analyses:
+
+  confirmed  the policy's own analyses of this update's failed trajectories whose skill names the fix their
+             ground truth gives (envs.EnvSpec.names_fix): it learns from the analyses that were right;
+  lift       the policy's own analyses whose skill moved its own trajectory's teacher the right way: the mean
+             delta over the trajectory's sampled tokens above 0 for a success (the skill endorses what worked),
+             below 0 for a failure (it disowns what failed): an analyzer that learns from its own results;
+  anchor     the start model's analyses of this update's trajectories: it pulls the analysis tokens back towards
+             the start analyzer (an anchor on those tokens alone, where the KL term covers the action tokens).
+
+At most --sft-batch-size examples a step, drawn at random; the step uses the update's optimizer and rate. The
+paper's code base has an optional loss on the analyzer's tokens too (REFERENCE 1b), off in its ALFWorld launcher.
+"""
+import random
+
+import torch
+
+import envs
+import seed
+import skills
+from models.scoring import padded_logprobs, response_mask
+
+
+def trajectory_deltas(rows, teacher_logp, has_teacher):
+    """Mean delta (teacher minus the log-probs recorded while sampling) over each trajectory's sampled tokens
+    that had a teacher -> {trajectory index: mean delta}."""
+    sampled = padded_logprobs(rows.sampled_logp)                                  # (B, R)
+    width = min(sampled.shape[1], teacher_logp.shape[1])
+    mask = response_mask(rows.responses)[:, :width] * has_teacher[:, None]        # (B, R)
+    delta = (teacher_logp[:, :width] - sampled[:, :width]) * mask                 # (B, R)
+    found = {}
+    for row, index in enumerate(rows.trajectory):
+        total, count = found.get(index, (0.0, 0.0))
+        found[index] = (total + float(delta[row].sum()), count + float(mask[row].sum()))
+    return {index: total / count for index, (total, count) in found.items() if count > 0}
+
+
+def analyzer_examples(kind, policy, start, cfg, trajectories, skill_list, texts, rows, teacher_logp,
+                      has_teacher, seed_value=0):
+    """The (analyzer prompt, completion) pairs of --analyzer-training `kind` for this update (see the module
+    docstring); [] when none qualifies."""
+    if kind == "anchor":
+        start_skills, start_texts = seed.analyze(start, trajectories, cfg.analysis_prompt_tokens,
+                                                 cfg.analysis_max_new_tokens, 0.0, desc="anchor analyses")
+        chosen = [(t, text) for t, s, text in zip(trajectories, start_skills, start_texts) if s is not None]
+    elif kind == "confirmed":
+        names_fix = envs.spec(cfg.env).names_fix
+        check = envs.load(names_fix) if names_fix else (lambda trajectory, skill: None)
+        chosen = [(t, text) for t, s, text in zip(trajectories, skill_list, texts)
+                  if s is not None and check(t, s)]
+    elif kind == "lift":
+        deltas = trajectory_deltas(rows, teacher_logp, has_teacher)
+        chosen = [(t, text) for index, (t, s, text) in enumerate(zip(trajectories, skill_list, texts))
+                  if s is not None and index in deltas and (deltas[index] > 0) == bool(t.won)]
+    else:
+        raise ValueError(f"unknown --analyzer-training {kind!r}")
+    chosen = random.Random(seed_value).sample(chosen, min(len(chosen), cfg.sft_batch_size))
+    return [(skills.analyzer_prompt(t, cfg.analysis_prompt_tokens, policy.count_tokens), text)
+            for t, text in chosen]
+
+
+def analyzer_step(kind, policy, start, optimizer, cfg, trajectories, skill_list, texts, rows, teacher_logp,
+                  has_teacher, seed_value=0):
+    """One SFT step on the chosen analyses; returns {"analyzer_examples", "analyzer_loss"} for the update's
+    metrics (no step, and a loss of None, when none qualified)."""
+    examples = analyzer_examples(kind, policy, start, cfg, trajectories, skill_list, texts, rows,
+                                 teacher_logp, has_teacher, seed_value)
+    loss = None
+    if examples:
+        with torch.enable_grad():
+            loss = seed.supervised_step(policy, optimizer, examples, cfg.max_batch_tokens,
+                                        layout="padded" if policy.sees_images else "packed")
+    return {"analyzer_examples": len(examples), "analyzer_loss": loss}
