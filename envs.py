@@ -82,8 +82,10 @@ ENVS = {spec.name: spec for spec in (
             "simulators.vision:PROMPT", "simulators.vision:annotate", screens=True,
             names_fix="simulators.vision:names_fix",
             # the tiny VLM drifted at 1e-4, and at 3e-5 GRPO lost 0.035 valid_seen in 640 episodes
-            # with its vision tower training, gained 0.011 with it frozen (3 seeds; docs/vision.md)
-            tiny_preset=(("lr", 3e-5), ("vision_lr_scale", 0.0))),
+            # with its vision tower training, gained 0.011 with it frozen (3 seeds; docs/vision.md);
+            # screens keep the advantage path they were measured with (the gated loss: household only)
+            tiny_preset=(("lr", 3e-5), ("vision_lr_scale", 0.0), ("distill_mode", "advantage"),
+                         ("distill_coef", 0.1))),
     EnvSpec("alfworld", "adapters.alfworld:AlfworldEnv", 30,
             "the real ALFWorld engine (pip install alfworld==0.4.2)", ALFWORLD_PROMPT,
             TEXT_ANNOTATOR, own_flags=("data_dir",), options=_alfworld_options,

@@ -39,9 +39,9 @@ from training.flags import add_plumbing_flags, check_config, check_context_windo
 # OPD loss, lambda 0.01, beta 5, KL 0.01, lr 1e-6; entropy 0.001, the reproduction's verl default)
 # and OPID's analyzer budgets. An env may change tiny ones (envs.EnvSpec.tiny_preset).
 PRESETS = {
-    "tiny": dict(lr=1e-4, distill_mode="advantage", distill_coef=0.1, kl_coef=0.1, entropy_coef=0.0,
+    "tiny": dict(lr=1e-4, distill_mode="gated", distill_coef=0.01, kl_coef=0.1, entropy_coef=0.0,
                  advantage_norm="batch", mini_batches=4, eval_temperature=0.0,
-                 analysis_prompt_tokens=1024, analysis_max_new_tokens=96, vision_lr_scale=1.0),
+                 analysis_prompt_tokens=1024, analysis_max_new_tokens=128, vision_lr_scale=1.0),
     "hf": dict(lr=1e-6, distill_mode="gated", distill_coef=0.01, kl_coef=0.01, entropy_coef=0.001,
                advantage_norm="group", mini_batches=1, eval_temperature=0.4,
                analysis_prompt_tokens=28672, analysis_max_new_tokens=4096, vision_lr_scale=1.0)}

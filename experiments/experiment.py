@@ -41,8 +41,8 @@ from training.logs import read_records as read_jsonl  # noqa: E402  one JSONL re
 # the arms an experiment can run, each train.py's flags on top of the shared ones: SEED and GRPO, the paper's
 # objective (its gated OPD loss) and its three ablations (REFERENCE 1b), the shuffled-skill control, and the
 # analyzer-training candidates (training/analyzer.py); docs/experiments.md reports each
-ARMS = {"seed": [], "grpo": ["--algo", "grpo"],
-        "seed-gated": ["--distill-mode", "gated", "--distill-coef", "0.01"],
+ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the paper's gated loss since version 9
+        "seed-advantage": ["--distill-mode", "advantage", "--distill-coef", "0.1"],  # OPID's path, the default before
         "shuffled": ["--teacher-skill", "shuffled"],  # each teacher gets another task's skill
         "start-analyzer": ["--analyzer", "start"],  # the paper's "without on-policy skills"
         "no-stage1": ["--warmup-analyzer-share", "0"],  # the paper's "without hindsight-skill SFT" (tiny)

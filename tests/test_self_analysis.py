@@ -148,3 +148,27 @@ def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kin
               "--out-dir", tmp_path / "out")
     (metrics,) = read_lines(tmp_path / "out" / "metrics.jsonl")
     assert "analyzer_examples" in metrics and metrics["skipped"] is None, metrics
+
+
+def test_analyzer_drift_kl_is_zero_against_itself_and_matches_a_reference_after_a_change(tiny):
+    """experiments/analyzer_drift.py's token_kl: exactly 0 for the start model against itself; after one weight
+    is moved, positive and equal to KL(p || q) summed over the vocabulary one position at a time."""
+    from experiments.analyzer_drift import token_kl
+    policy, _ = tiny
+    prompts = [seed.encode_chat(policy.tokenizer, "go to the fridge"), seed.encode_chat(policy.tokenizer, "look")]
+    responses = [policy.tokenizer("open fridge 1", add_special_tokens=False)["input_ids"], [5]]
+    kl, change, mask = token_kl(policy, policy, prompts, responses, policy.pad_id)
+    assert mask.sum() == len(responses[0]) + 1 and float(kl.abs().max()) == 0.0 and float(change.abs().max()) == 0.0
+    moved = fresh(policy)
+    with torch.no_grad():
+        moved.model.lm_head.weight.add_(0.05 * torch.randn_like(moved.model.lm_head.weight,
+                                                                generator=torch.Generator().manual_seed(0)))
+    kl, _, mask = token_kl(policy, moved, prompts, responses, policy.pad_id)
+    ids = torch.tensor([prompts[0] + responses[0]])
+    with torch.no_grad():
+        p = policy.model(ids).logits[0, len(prompts[0]) - 1:-1].float().log_softmax(-1)  # (R, V)
+        q = moved.model(ids).logits[0, len(prompts[0]) - 1:-1].float().log_softmax(-1)  # (R, V)
+    reference = (p.exp() * (p - q)).sum(-1)                                                # (R,)
+    difference = float((kl[0, :len(responses[0])] - reference).abs().max())
+    print(f"token_kl vs the one-sequence reference: max difference {difference:.2e}")
+    assert float(kl[mask > 0].min()) > 0 and difference < 1e-5

@@ -1,6 +1,8 @@
 """training/analyzer.py: beyond the paper and off by default (--analyzer-training none) -- one extra SFT step per
-update on chosen analyses, so the policy stays a good analyzer while RL trains only its action tokens (measured
-without it: the share of analyses that do not parse rises over training, docs/experiments.md). Which analyses:
+update on chosen analyses, so the analyzer improves (or stays put) while RL trains only the action tokens. Measured
+without it on the tiny demo, RL hardly moves the analyzer (per-token KL to the start model 10-20x smaller on
+analyses than on actions) and the rise of parse failures seen earlier was a token limit (docs/experiments.md,
+experiments/analyzer_drift.py). Which analyses:
 
   confirmed  the policy's own analyses of this update's failed trajectories whose skill names the fix their
              ground truth gives (envs.EnvSpec.names_fix): it learns from the analyses that were right;
