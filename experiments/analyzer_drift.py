@@ -23,8 +23,6 @@ whose log-prob fell most are listed per run's last checkpoint. Not in the paper 
 Numbers move with the thread count in the last digits; the tiny model and the household env (the run's flags).
 """
 import argparse
-import glob
-import json
 import os
 import sys
 
@@ -37,14 +35,16 @@ import skills  # noqa: E402
 import train  # noqa: E402
 from models.policy import load_policy  # noqa: E402
 from models.scoring import forward_logits, response_mask  # noqa: E402
+from training.checkpoints import intact_checkpoints, latest_config  # noqa: E402
 
 SYNTAX = set('{}":, ')
 
 
 def run_config(run):
     """The run's saved configuration as a namespace (the preset's defaults under what config.json holds)."""
-    with open(os.path.join(run, "config.json")) as f:
-        saved = json.load(f)
+    saved = latest_config(run)
+    if saved is None:
+        raise SystemExit(f"{run}: no readable config.json")
     cfg = train.get_config(["--model", saved["model"], "--env", saved["env"]], check=False)
     vars(cfg).update({k: v for k, v in saved.items() if hasattr(cfg, k)})
     return cfg
@@ -62,10 +62,9 @@ def token_kl(start, model, prompts, responses, pad_id):
     return kl * mask, change * mask, mask
 
 
-def measure(policy, start, cfg, episodes, start_analyses, samples, generator_seed=0):
-    """One model's row of numbers (see the module docstring) and its per-token changes on the start analyses."""
-    analyzer_prompts = [seed.encode_chat(policy.tokenizer, skills.analyzer_prompt(
-        t, cfg.analysis_prompt_tokens, policy.count_tokens)) for t in episodes]
+def measure(policy, start, cfg, episodes, analyzer_prompts, start_analyses, samples, generator_seed=0):
+    """One model's row of numbers (see the module docstring) and its per-token changes on the start analyses
+    (analyzer_prompts: the episodes' analyzer prompts as token ids, the same for every model)."""
     greedy, _ = seed.analyze(policy, episodes, cfg.analysis_prompt_tokens, cfg.analysis_max_new_tokens, 0.0)
     torch.manual_seed(generator_seed)  # the same draws for every model's sampled analyses
     repeated = [t for t in episodes for _ in range(samples)]
@@ -133,14 +132,14 @@ def main():
               f"{row['kl_analysis']:>11.4f} {row['kl_action']:>9.4f} {row['change_syntax']:>+7.3f} "
               f"{row['change_words']:>+7.3f}", flush=True)
 
-    show("start", measure(start, start, cfg, episodes, start_analyses, args.samples)[0])
+    show("start", measure(start, start, cfg, episodes, prompts, start_analyses, args.samples)[0])
     if any(len(a) >= cfg.analysis_max_new_tokens for a in start_analyses):
         print(f"note: some start analyses reach the {cfg.analysis_max_new_tokens}-token limit")
     last_tokens = {}
     for run in args.runs:
-        for folder in sorted(glob.glob(os.path.join(run, "checkpoints", "update_*"))):
+        for folder in intact_checkpoints(run):
             policy = load_policy(folder, "cpu", "float32")
-            row, by_token = measure(policy, start, cfg, episodes, start_analyses, args.samples)
+            row, by_token = measure(policy, start, cfg, episodes, prompts, start_analyses, args.samples)
             show(f"{os.path.basename(run)} {os.path.basename(folder)}", row)
             points.append((row["kl_analysis"], row["parse_sampled"]))
             last_tokens[os.path.basename(run)] = by_token
