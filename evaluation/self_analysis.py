@@ -8,9 +8,12 @@ again, with one warning line. At each valid_seen evaluation:
   parse failures  the share of the policy's greedy analyses of the probe trajectories that do not parse;
   fixing skills   of the failed probe trajectories, the share whose skill names the fix the env's ground truth
                   gives (envs.EnvSpec.names_fix; None for an env without such a check);
-  skill lift      greedy success on the probe tasks with the policy's own skill for that task in the prompt minus
-                  with another probe task's skill (shuffled): the in-context value of what its analysis *says*,
-                  paired per task; raw lift: with its own skill minus without (the evaluation's own episodes).
+  skill lift      greedy success on the first LIFT_TASKS probe tasks with the policy's own skill for that task in
+                  the prompt minus with another of those tasks' skill (shuffled): the in-context value of what its
+                  analysis *says*, paired per task; raw lift: with its own skill minus without (the evaluation's
+                  own episodes of those tasks).
+Analyses are cheap and episodes are not, so all PROBE_TASKS trajectories are analyzed (a step of 1/24 in parse
+failures, about 1/18 in fixing skills) and LIFT_TASKS are played twice (a step of 1/8 in skill lift).
 The GRPO arm is measured too: its policy can write skills, it only does not train on them. Departure from the
 paper: the paper does not measure its analyzer. Run: python train.py (every evaluation reports it).
 """
@@ -23,8 +26,10 @@ import torch
 import envs
 import seed
 
-PROBE_TASKS = 8  # the valid_seen tasks 0..7, which every evaluation also plays without a skill (8: the probe
-# costs 0.23 of an evaluation on the tiny demo, 12 cost 0.35)
+PROBE_TASKS = 24  # trajectories of valid_seen tasks 0..23 analyzed: 32 analyses take 1.8 s on the tiny demo, a
+# rollout of 48 tasks 8.1 s (2 idle cores), so analyses are almost free beside the lift's episodes
+LIFT_TASKS = 8  # the first 8 are played with their own and a shuffled skill; every evaluation also plays them
+# without one (8: the whole probe costs about a quarter of an evaluation on the tiny demo, 12 lift tasks 0.35)
 FILE_NAME = "probe_set.json"
 STEP_FIELDS = ("observation", "response", "action", "reward", "penalty", "valid")  # what the analyzer reads
 
@@ -89,18 +94,19 @@ def shuffled(skill_list):
 
 
 def self_analysis(policy, cfg, trajectories, template, env_factory, without_won):
-    """The probe's numbers for the current policy (it analyzes, then plays the probe tasks with what it wrote);
-    env_factory(i) builds valid_seen env i; without_won: the evaluation's outcome of each probe task."""
+    """The probe's numbers for the current policy (it analyzes the probe set, then plays its first LIFT_TASKS
+    tasks with what it wrote); env_factory(i) builds valid_seen env i; without_won: the evaluation's outcome of
+    those tasks without a skill."""
     skill_list, _ = seed.analyze(policy, trajectories, cfg.analysis_prompt_tokens, cfg.analysis_max_new_tokens,
                                  0.0, desc="self-analysis probe")
     names_fix = envs.spec(cfg.env).names_fix
     failed = [(t, s) for t, s in zip(trajectories, skill_list) if not t.won]
     checks = [envs.load(names_fix)(t, s) for t, s in failed] if names_fix else []
     checks = [c for c in checks if c is not None]
-    won = {}
-    for name, skills_given in (("own", skill_list), ("shuffled", shuffled(skill_list))):
-        env_list = [env_factory(i) for i in range(len(trajectories))]
-        played = seed.rollout(policy, env_list, [t.seed for t in trajectories], 1, cfg.max_steps, template,
+    won, lifted, own = {}, trajectories[:LIFT_TASKS], skill_list[:LIFT_TASKS]
+    for name, skills_given in (("own", own), ("shuffled", shuffled(own))):
+        env_list = [env_factory(i) for i in range(len(lifted))]
+        played = seed.rollout(policy, env_list, [t.seed for t in lifted], 1, cfg.max_steps, template,
                               cfg.max_new_tokens, cfg.eval_temperature, cfg.history_window, cfg.invalid_penalty,
                               cfg.max_prompt_tokens, desc=f"probe, {name} skills", skill_per_rollout=skills_given,
                               generator=torch.Generator(policy.device).manual_seed(cfg.seed),

@@ -51,6 +51,13 @@ ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the 
         "analyzer-anchor": ["--analyzer-training", "anchor"]}
 
 
+def analyzer_limits():
+    """(analysis prompt tokens, analysis max new tokens) of the tiny preset: the probes analyze as training does."""
+    import train
+    preset = train.PRESETS["tiny"]
+    return preset["analysis_prompt_tokens"], preset["analysis_max_new_tokens"]
+
+
 def warm_up_flags(flags):
     """The tiny warm-up's own flags among an arm's (flag, value) pairs: an arm with some needs its own warm-start."""
     return tuple(x for pair in zip(flags[::2], flags[1::2]) if pair[0].startswith("--warmup") for x in pair)
@@ -285,7 +292,7 @@ def probes(model, episodes=48, history_window=3, max_steps=20, seed_value=0):
     tasks = habit.habit_task_seeds(episodes)
     trajectories = seed.rollout(policy, env_list, tasks, 1, max_steps, PROMPT, 48, 1.0, history_window,
                                 generator=torch.Generator().manual_seed(seed_value))
-    skill_list, _ = seed.analyze(policy, trajectories, 1024, 96)
+    skill_list, _ = seed.analyze(policy, trajectories, *analyzer_limits())
     share, failed = habit.fixing_skill_share(trajectories, skill_list)
     found["fixing skill share"], found["habit failures"] = share, failed
     for name, value in found.items():
@@ -309,7 +316,7 @@ def screen_skill_probes(model, episodes=64, seed_value=0):
     env_list = [envs.make_env("vision", "train", i) for i in range(episodes)]
     trajectories = seed.rollout(policy, env_list, list(range(10_000, 10_000 + episodes)), 1, 6, PROMPT, 48, 1.0, 3,
                                 generator=torch.Generator().manual_seed(seed_value))
-    skill_list, _ = seed.analyze(policy, trajectories, 1024, 96)
+    skill_list, _ = seed.analyze(policy, trajectories, *analyzer_limits())
     found = screen_skill_checks([t.gt for t in trajectories], skill_list)
     # what the teacher does with those skills: delta summed over a step's response, at the wrong click of a
     # failure (negative: the skill lowers the mistake) and at the steps of won episodes (positive: it raises them)
@@ -439,7 +446,7 @@ def mechanism(model, rounds=3, tasks=16, group_size=4, distill_coef=0.1, lr=1e-4
             if not failed:
                 probes.append(probes[-1])
                 continue
-            skill_list, _ = seed.analyze(policy, failed, 1024, 96)
+            skill_list, _ = seed.analyze(policy, failed, *analyzer_limits())
             rows = seed.step_rows(failed, skill_list)
             _, teacher, ref, has_teacher = seed.rescore(policy, rows, 1.0, reference=reference, need_old=False)
             sampled = seed.padded_logprobs(rows.sampled_logp)                            # (B, R)

@@ -90,7 +90,7 @@ def test_names_fix_reads_the_first_decisive_mistake():
 
 
 def test_every_evaluation_reports_the_probe_and_the_final_summary_line(tiny, tmp_path, capsys):
-    flags = TRAIN_FLAGS + ["--model", tiny[1], "--stage", "rl", "--eval-tasks", self_analysis.PROBE_TASKS]
+    flags = TRAIN_FLAGS + ["--model", tiny[1], "--stage", "rl", "--eval-tasks", self_analysis.LIFT_TASKS]
     run_train(*flags, "--out-dir", tmp_path / "out")
     output = capsys.readouterr().out
     evals = read_lines(tmp_path / "out" / "eval.jsonl")

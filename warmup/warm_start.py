@@ -44,10 +44,10 @@ from simulators.vision import vision_annotations
 from training.checkpoints import atomic_folder
 from training.locks import FolderLock
 
-WARMUP_VERSION = 9  # bump when the demonstrations or the model change, so stale caches are not reused
+WARMUP_VERSION = 10  # bump when the demonstrations or the model change, so stale caches are not reused
 # (5: verl-agent's exact prompt templates; 6: the skill side of the pairs alone, measured, not kept; 7: contrast
 # pairs, the habit's steps with and without its skill; 8: TEXT_INIT_STD; 9: the skill's content decides,
-# skill_following)
+# skill_following; 10: a skill naming another step -> the habit, at the habit's decision)
 # the text model's initial weight std, 4x Qwen2's 0.02: at 0.02 a tiny model sits on a saddle before it learns to
 # copy from its prompt (experiments/recall_probe.py: 0.33 vs 0.69 after 2,000 steps, 3 seeds); on the household
 # demo RL then gains more, 3 seeds at 320 episodes: SEED +0.187, GRPO +0.090 valid_seen success, against +0.104 /
@@ -295,7 +295,9 @@ def skill_following(env, task_seed, skill, trajectory, examples, corrections, rn
       - with the skill's places swapped for others of the room: the expert searches there first (and then on);
       - with a content-free skill (GENERIC_SKILLS): the plain demonstrator, habit and all;
       - at the habit's decision (the contrast steps): without a skill the habit; with the own skill the right
-        appliance; with the skill's verb and appliance swapped for another of the room, that appliance; with a
+        appliance (twice: it is the one pair of four that leaves the habit); with the skill's verb and appliance
+        swapped for another of the room, the habit (version 10: a skill naming another step is no fix for this
+        one; version 9 sent it to that appliance, and then any step-naming skill killed the habit); with a
         content-free skill the habit. Rare steps, hence CONTRAST_COPIES copies."""
     gt = trajectory.gt or {}
     verb_of = {appliance: verb for verb, appliance, _ in TRANSFORMS.values()}
@@ -316,20 +318,19 @@ def skill_following(env, task_seed, skill, trajectory, examples, corrections, rn
     generic = rng.choice(GENERIC_SKILLS)
     follow += expert_episode(env, task_seed, 0.0, rng, history_window, skill=generic, habit_rate=habit_rate,
                              hint=())[1]
-    habit_labels, obj = dict(examples), gt.get("goal_object") or "object"
+    habit_labels = dict(examples)
     other = [a for a in appliances if kind_of(a) != task_verb[1]]
     pairs = []
     for prompt, right in corrections:
-        pairs += [(prompt, habit_labels[prompt]), (skills.with_skill(prompt, skill), right),
+        pairs += [(prompt, habit_labels[prompt])] + [(skills.with_skill(prompt, skill), right)] * 2 + [
                   (skills.with_skill(prompt, generic), habit_labels[prompt])]
-        if other and task_verb[0] and names_step:  # the skill's step, swapped for another appliance's
+        if other and task_verb[0] and names_step:  # the skill's step swapped for another's: no fix, the habit
             appliance = rng.choice(other)
             verb = verb_of[kind_of(appliance)]
             swapped = re.sub(rf"\b{task_verb[1]}\b(?! \d)", kind_of(appliance),
                              skill.replace(f"{task_verb[1]} 1", appliance))
             swapped = re.sub(rf"\b{task_verb[0]}", verb, swapped, flags=re.I)
-            pairs.append((skills.with_skill(prompt, swapped),
-                          f"<think>{verb} the {obj}</think><action>go to {appliance}</action>"))
+            pairs.append((skills.with_skill(prompt, swapped), habit_labels[prompt]))
     return follow + pairs * CONTRAST_COPIES
 
 
