@@ -47,6 +47,7 @@ ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the 
         "start-analyzer": ["--analyzer", "start"],  # the paper's "without on-policy skills"
         "no-stage1": ["--warmup-analyzer-share", "0"],  # the paper's "without hindsight-skill SFT" (tiny)
         "analyzer-confirmed": ["--analyzer-training", "confirmed"],
+        "analyzer-explored": ["--analyzer-training", "explored"],
         "analyzer-lift": ["--analyzer-training", "lift"],
         "analyzer-anchor": ["--analyzer-training", "anchor"]}
 

@@ -16,7 +16,7 @@ import train
 from annotators.text_worlds import names_fix
 from evaluation import self_analysis
 from test_seed import FAILURES, TRAIN_FLAGS, fresh, read_lines, run_train
-from training.analyzer import analyzer_examples, trajectory_deltas
+from training.analyzer import ANALYZER_LR_SCALE, analyzer_examples, analyzer_step, trajectory_deltas
 
 
 def probe_config(**flags):
@@ -130,7 +130,7 @@ def test_the_start_analyzer_never_changes_while_the_policy_does(tiny, tmp_path, 
     assert len(used) == 3 and not all(torch.equal(a, b) for a, b in zip(used[0], used[-1]))
 
 
-@pytest.mark.parametrize("kind", ["confirmed", "lift", "anchor"])
+@pytest.mark.parametrize("kind", ["confirmed", "explored", "lift", "anchor"])
 def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kind, tmp_path, capsys):
     policy = fresh(tiny[0])
     cfg = probe_config()
@@ -172,3 +172,19 @@ def test_analyzer_drift_kl_is_zero_against_itself_and_matches_a_reference_after_
     difference = float((kl[0, :len(responses[0])] - reference).abs().max())
     print(f"token_kl vs the one-sequence reference: max difference {difference:.2e}")
     assert float(kl[mask > 0].min()) > 0 and difference < 1e-5
+
+
+def test_the_analyzer_step_trains_at_its_own_rate_and_gives_the_optimizer_back(tiny, monkeypatch):
+    """--analyzer-training's SFT step runs at ANALYZER_LR_SCALE x the RL rate and leaves the rate as it found it."""
+    policy = fresh(tiny[0])
+    optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-4)
+    rates = []
+    monkeypatch.setattr(seed, "supervised_step", lambda policy, optimizer, *a, **k: rates.append(
+        optimizer.param_groups[0]["lr"]) or 0.5)
+    placed, _, _ = FAILURES["placed before heating"]  # a skill that names its fix: confirmed
+    skill = "Heat the apple with microwave 1 before you put it down."
+    text = json.dumps({"episode_summary": "s", "episode_skill": skill})
+    found = analyzer_step("confirmed", policy, policy, optimizer, probe_config(), [placed], [skill], [text],
+                          None, None, None)
+    assert found["analyzer_examples"] > 0 and found["analyzer_loss"] == 0.5, found
+    assert rates == [pytest.approx(1e-4 * ANALYZER_LR_SCALE)] and optimizer.param_groups[0]["lr"] == 1e-4, rates

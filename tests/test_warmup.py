@@ -419,4 +419,4 @@ def test_rl_only_flags_never_rebuild_the_warm_up_and_a_rebuild_names_its_flag(tm
     with pytest.raises(RuntimeError, match="built"):
         warm_start.warm_start(cfg, envs.env_options(cfg))
     (line,) = [line for line in capsys.readouterr().out.splitlines() if "building" in line]
-    assert "--warmup-steps 500 where the shipped one has 1000" in line and "about 8 minutes" in line, line
+    assert "--warmup-steps 500 where the shipped one has 1000" in line and "about 5 minutes" in line, line

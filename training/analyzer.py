@@ -9,10 +9,15 @@ experiments/analyzer_drift.py). Which analyses:
   lift       the policy's own analyses whose skill moved its own trajectory's teacher the right way: the mean
              delta over the trajectory's sampled tokens above 0 for a success (the skill endorses what worked),
              below 0 for a failure (it disowns what failed): an analyzer that learns from its own results;
+  explored   like confirmed, but from EXPLORE_SAMPLES extra analyses of each failed trajectory sampled at
+             temperature 1 (the teacher keeps the update's greedy ones): a greedy analyzer only repeats itself, so
+             confirmed can sharpen what it already writes, never find the fix it seldom writes (the version-10
+             start model names the skipped step in 1 of 35 habit failures greedily, 14 of 140 sampled);
   anchor     the start model's analyses of this update's trajectories: it pulls the analysis tokens back towards
              the start analyzer (an anchor on those tokens alone, where the KL term covers the action tokens).
 
-At most --sft-batch-size examples a step, drawn at random; the step uses the update's optimizer and rate. The
+At most --sft-batch-size examples a step, drawn at random; the step uses the update's optimizer at ANALYZER_LR_SCALE
+times its rate. The
 paper's code base has an optional loss on the analyzer's tokens too (REFERENCE 1b), off in its ALFWorld launcher.
 """
 import random
@@ -23,6 +28,13 @@ import envs
 import seed
 import skills
 from models.scoring import padded_logprobs, response_mask
+
+EXPLORE_SAMPLES = 2  # sampled analyses per failed trajectory for --analyzer-training explored
+# the analyzer's step runs at 3x the RL rate: offline, from the version-10 start model, 20 explored steps (measured
+# every 5) at the tiny rate 1e-4 left it as it was (greedy skills naming the fix: 4-7 of 29 habit failures from 5;
+# 9-10 of the probe's 19 failures from 10), at 3e-4 they moved it a little (5-10 of 29; 9-12 of 19), and at 1e-3
+# they broke it (34 of its 48 analyses no longer parsed after 20 steps)
+ANALYZER_LR_SCALE = 3.0
 
 
 def trajectory_deltas(rows, teacher_logp, has_teacher):
@@ -47,9 +59,13 @@ def analyzer_examples(kind, policy, start, cfg, trajectories, skill_list, texts,
         start_skills, start_texts = seed.analyze(start, trajectories, cfg.analysis_prompt_tokens,
                                                  cfg.analysis_max_new_tokens, 0.0, desc="anchor analyses")
         chosen = [(t, text) for t, s, text in zip(trajectories, start_skills, start_texts) if s is not None]
-    elif kind == "confirmed":
+    elif kind in ("confirmed", "explored"):
         names_fix = envs.spec(cfg.env).names_fix
         check = envs.load(names_fix) if names_fix else (lambda trajectory, skill: None)
+        if kind == "explored":  # fresh sampled analyses of the failures (successes have nothing to fix)
+            trajectories = [t for t in trajectories if not t.won] * EXPLORE_SAMPLES
+            skill_list, texts = seed.analyze(policy, trajectories, cfg.analysis_prompt_tokens,
+                                             cfg.analysis_max_new_tokens, 1.0, desc="explored analyses")
         chosen = [(t, text) for t, s, text in zip(trajectories, skill_list, texts)
                   if s is not None and check(t, s)]
     elif kind == "lift":
@@ -71,7 +87,12 @@ def analyzer_step(kind, policy, start, optimizer, cfg, trajectories, skill_list,
                                  teacher_logp, has_teacher, seed_value)
     loss = None
     if examples:
+        rates = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] *= ANALYZER_LR_SCALE
         with torch.enable_grad():
             loss = seed.supervised_step(policy, optimizer, examples, cfg.max_batch_tokens,
                                         layout="padded" if policy.sees_images else "packed")
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["lr"] = rate
     return {"analyzer_examples": len(examples), "analyzer_loss": loss}

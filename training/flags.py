@@ -53,7 +53,7 @@ def add_plumbing_flags(add, defaults, max_steps):
     add("--teacher-skill", "own", "what each teacher context holds: its trajectory's own skill, or another "
         "task's (the ablation: does what the skill says matter?)", choices=["own", "shuffled"])
     add("--analyzer-training", "none", "beyond the paper: one SFT step per update on chosen analyses "
-        "(training/analyzer.py)", choices=["none", "confirmed", "lift", "anchor"])
+        "(training/analyzer.py)", choices=["none", "confirmed", "explored", "lift", "anchor"])
     # the update
     add("--dual-clip", 3.0, "dual-clip bound for negative advantages")
     add("--agg", "token-mean", "loss aggregation", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])

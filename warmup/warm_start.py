@@ -7,12 +7,12 @@ demonstrations in the real prompt format, the three things SEED assumes an instr
      are) on states visited by an epsilon-noisy version of it, so the data covers recoveries; on heat/cool/
      clean tasks 60% of the demonstrators have a bad habit (they skip that step), which the greedy warm-start
      inherits: the room RL has to improve, measured by habit_probe in every household evaluation;
-  2. follow a skill, so that what the skill says decides (skill_following, version 9): the episode with its
+  2. follow a skill, so that what the skill says decides (skill_following, version 10): the episode with its
      own skill in the prompts, the expert searching first where the skill says; the same with the skill's
      places swapped, the search going there; a content-free skill, the plain demonstrator with its habit; and
      contrast sets at the habit's decision (no skill -> habit, own skill -> the right appliance, its step
-     swapped for another appliance -> that one, content-free -> habit). On the shipped start model a skill's
-     habit-probe lift is own +0.645, shuffled +0.617, content-free -0.115 (docs/experiments.md);
+     swapped for another's -> habit, content-free -> habit). On the shipped start model a skill's habit-probe
+     lift is own +0.441, shuffled -0.056, content-free +0.080 (docs/experiments.md);
   3. analyze: stage-1 SFT on (skills.analyzer_prompt -> annotator.annotate) for successes and failures.
 The result is cached under --cache-dir keyed by the settings the warm-up reads (never RL-only flags), so
 later runs start from it at once. The paper's stage 1 for any other model is seed.stage1_sft (train.py).
@@ -59,7 +59,7 @@ HABIT_RATE = 0.6
 # how often each contrast pair (a habit step with and without its skill) enters the skill-following examples:
 # measured skill lift on valid_seen: 0.094 without pairs, 0.216 with the skill side once, 0.529 with both sides x 3
 CONTRAST_COPIES = 3
-# warm-starts shipped with the repository (the default's, so a first run skips the ~16-minute build); one is used
+# warm-starts shipped with the repository (the default's, so a first run skips the ~10-minute build); one is used
 # when its settings match the run's exactly, unless --build-warm-start
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warm_starts")
 SCREEN_VERSION = 9  # bumped with the screenshot warm-up alone, so the household caches stay valid
@@ -381,7 +381,7 @@ def supervised_training(policy, mixture, steps, batch_size, lr, max_batch_tokens
 KEY_FLAGS = {"steps": "--warmup-steps", "seed": "--warmup-seed", "history_window": "--history-window",
              "analysis_prompt_tokens": "--analysis-prompt-tokens", "analyzer_share": "--warmup-analyzer-share",
              "options": "the env's own flags"}
-MINUTES_PER_1000_STEPS = 16  # the household build on an idle 2-core CPU (v9: 26 min at one thread beside other runs)
+MINUTES_PER_1000_STEPS = 10  # the household build on an idle 2-core CPU (v10: 9 min 38 s; v9: 26 min at one thread beside other runs)
 
 
 def warmup_settings(cfg, options):
