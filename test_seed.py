@@ -1248,6 +1248,11 @@ def numbers(record):
     return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not k.startswith("time")}
 
 
+def untimed(record):
+    """A log line without its wall-clock fields ("time", "time_*"), which differ run to run."""
+    return {k: v for k, v in record.items() if not k.startswith("time")}
+
+
 def final_weights(out_dir):
     with open(os.path.join(out_dir, "checkpoints", "latest")) as handle:
         folder = os.path.join(out_dir, "checkpoints", handle.read().strip())

@@ -250,6 +250,9 @@ def main(cfg):
                                              cfg.analysis_max_new_tokens, cfg.analysis_temperature)
         if cfg.teacher_skill == "shuffled":  # the ablation: each teacher gets another task's skill
             skill_list = skill_list[cfg.group_size:] + skill_list[:cfg.group_size]
+        elif cfg.teacher_skill == "annotator":  # the bound: the skill a perfect analyzer would write
+            annotate = envs.load(envs.spec(cfg.env).annotator)
+            skill_list = [annotate(t, t.gt)[1] if t.gt else None for t in trajectories]
         times["analyze"] = time.time() - t1
 
         # ---- re-score: teacher (and reference) log-probs of the same sampled tokens; no student

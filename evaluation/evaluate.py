@@ -16,8 +16,8 @@ def evaluate(policy, cfg, split, env_list, template, rank=0, world=1, env_factor
     """One rollout (greedy by default) on each of the first --eval-tasks tasks of a split -> success micro (over
     episodes), macro (over task types) and per type (training/logs.py), and in "probes" the env's own probe
     (envs.EnvSpec.probe) and, given the probe_set on valid_seen, self_analysis's numbers; under torchrun each
-    rank plays every world-th task (the probes run on rank 0). "seconds" and "probe_seconds" (the self-analysis
-    probe's share of them) say what the probe costs."""
+    rank plays every world-th task (the probes run on rank 0). "time" (seconds) and "time_probe" (the
+    self-analysis probe's share of them) say what the probe costs."""
     started, probe_seconds = time.time(), 0.0
     tasks = list(range(rank, cfg.eval_tasks, world))
     generator = torch.Generator(policy.device).manual_seed(cfg.seed)  # not the training RNG
@@ -36,5 +36,4 @@ def evaluate(policy, cfg, split, env_list, template, rank=0, world=1, env_factor
         probe_started = time.time()
         result["probes"].update(self_analysis(policy, cfg, probe_set, template, env_factory, without))
         probe_seconds = time.time() - probe_started
-    return {**result, "temperature": cfg.eval_temperature, "seconds": time.time() - started,
-            "probe_seconds": probe_seconds}
+    return {**result, "temperature": cfg.eval_temperature, "time": time.time() - started, "time_probe": probe_seconds}

@@ -44,6 +44,7 @@ from training.logs import read_records as read_jsonl  # noqa: E402  one JSONL re
 ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the paper's gated loss since version 9
         "seed-advantage": ["--distill-mode", "advantage", "--distill-coef", "0.1"],  # OPID's path, the default before
         "shuffled": ["--teacher-skill", "shuffled"],  # each teacher gets another task's skill
+        "annotator": ["--teacher-skill", "annotator"],  # each teacher gets the ground-truth annotator's skill
         "start-analyzer": ["--analyzer", "start"],  # the paper's "without on-policy skills"
         "no-stage1": ["--warmup-analyzer-share", "0"],  # the paper's "without hindsight-skill SFT" (tiny)
         "analyzer-confirmed": ["--analyzer-training", "confirmed"],

@@ -27,7 +27,7 @@ import seed
 import skills
 import train
 from test_seed import (REPO, SKILL, SUBPROCESS_ENV, TRAIN_FLAGS, final_weights, finite, fresh, max_diff, numbers,
-                       read_lines, run_train, snapshot, update, weight_change)
+                       read_lines, run_train, snapshot, untimed, update, weight_change)
 from models.policy import load_policy
 from simulators.household import PROMPT
 from training import checkpoints, logs
@@ -71,7 +71,7 @@ def test_resume_continues_with_identical_state(tiny, tmp_path, capsys, monkeypat
     assert sorted(lines["resumed"]) == [1, 2], lines["resumed"]
     metric_diffs = {k: abs(lines["straight"][2][k] - lines["resumed"][2][k]) for k in lines["straight"][2]}
     worst = max(metric_diffs, key=metric_diffs.get)
-    final_evals = [[e for e in read_lines(tmp_path / name / "eval.jsonl") if e["update"] == 2]
+    final_evals = [[untimed(e) for e in read_lines(tmp_path / name / "eval.jsonl") if e["update"] == 2]
                    for name in ("straight", "resumed")]
     print(f"\nresume: {straight:.1f}s straight, {killed:.1f}s killed + {second:.1f}s resumed; max weight diff "
           f"{diff:.2e}, update-2 metrics max diff {metric_diffs[worst]:.2e} ({worst})")
@@ -264,7 +264,8 @@ def test_kill_anywhere_then_resume_matches_an_uninterrupted_run(tiny, tmp_path, 
     print(f"\nkill and resume: {len(chain) - 1} kills, {matched} of {len(chain) - 1} resumed runs matched the "
           "uninterrupted one\n  " + "\n  ".join(report))
     assert [m["update"] for m in read_lines(out / "metrics.jsonl")] == [1, 2, 3]
-    assert read_lines(out / "eval.jsonl") == read_lines(tmp_path / "straight" / "eval.jsonl")
+    assert [untimed(e) for e in read_lines(out / "eval.jsonl")] == [untimed(e) for e in read_lines(
+        tmp_path / "straight" / "eval.jsonl")]
     final = {name: torch.load(os.path.join(d, "update_000003", "trainer.pt"), weights_only=True)
              for name, d in (("straight", straight_dir), ("killed", out / "checkpoints"))}
     assert torch.equal(final["straight"]["torch_rng"], final["killed"]["torch_rng"])

@@ -13,7 +13,7 @@ import torch
 import envs
 import seed
 import train
-from annotators.text_worlds import names_fix
+from annotators.text_worlds import annotate, names_fix
 from evaluation import self_analysis
 from test_seed import FAILURES, TRAIN_FLAGS, fresh, read_lines, run_train
 from training.analyzer import ANALYZER_LR_SCALE, analyzer_examples, analyzer_step, trajectory_deltas
@@ -113,6 +113,20 @@ def test_teacher_skill_shuffled_rotates_by_a_group(tiny, tmp_path, monkeypatch):
               "--out-dir", tmp_path / "out")
     (skill_list,) = seen
     assert [s.split(":")[0] for s in skill_list] == ["Skill 1-2", "Skill 1-3", "Skill 0-0", "Skill 0-1"], skill_list
+
+
+def test_teacher_skill_annotator_gives_each_teacher_the_ground_truth_skill(tiny, tmp_path, monkeypatch):
+    """--teacher-skill annotator: each trajectory's teacher gets the env annotator's skill for that trajectory (the
+    bound a perfect analyzer sets), whatever the policy wrote."""
+    seen, played = [], []
+    monkeypatch.setattr(seed, "analyze", lambda policy, trajectories, *a, **k: played.extend(trajectories) or (
+        ["the policy's own skill"] * len(trajectories), [""] * len(trajectories)))
+    step_rows = seed.step_rows
+    monkeypatch.setattr(seed, "step_rows", lambda t, skill_list: seen.append(skill_list) or step_rows(t, skill_list))
+    run_train(*TRAIN_FLAGS, "--model", tiny[1], "--stage", "rl", "--updates", 1, "--teacher-skill", "annotator",
+              "--out-dir", tmp_path / "out")
+    (skill_list,) = seen
+    assert skill_list == [annotate(t, t.gt)[1] for t in played] and "the policy's own skill" not in skill_list
 
 
 def test_the_start_analyzer_never_changes_while_the_policy_does(tiny, tmp_path, monkeypatch):

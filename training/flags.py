@@ -50,8 +50,9 @@ def add_plumbing_flags(add, defaults, max_steps):
     add("--analysis-temperature", 0.0, "analyzer temperature, 0 = greedy")
     add("--analysis-max-new-tokens", defaults["analysis_max_new_tokens"], "analyzer output tokens (OPID: 4096)")
     add("--analysis-prompt-tokens", defaults["analysis_prompt_tokens"], "analyzer prompt budget (OPID: all of it)")
-    add("--teacher-skill", "own", "what each teacher context holds: its trajectory's own skill, or another "
-        "task's (the ablation: does what the skill says matter?)", choices=["own", "shuffled"])
+    add("--teacher-skill", "own", "what each teacher context holds: its trajectory's own skill, another "
+        "task's (the ablation: does what the skill says matter?) or the env annotator's, written from the "
+        "ground truth (the bound: a perfect analyzer)", choices=["own", "shuffled", "annotator"])
     add("--analyzer-training", "none", "beyond the paper: one SFT step per update on chosen analyses "
         "(training/analyzer.py)", choices=["none", "confirmed", "explored", "lift", "anchor"])
     # the update
@@ -163,8 +164,8 @@ def check_config(cfg, error, defaults):
     check_out_dir(cfg, error)
     if cfg.analyzer_training != "none" and cfg.algo == "grpo":
         error("--analyzer-training trains SEED's analyzer, which --algo grpo never uses")
-    if cfg.teacher_skill == "shuffled" and cfg.algo == "grpo":
-        error("--teacher-skill shuffled changes SEED's teacher, which --algo grpo has none of")
+    if cfg.teacher_skill != "own" and cfg.algo == "grpo":
+        error(f"--teacher-skill {cfg.teacher_skill} changes SEED's teacher, which --algo grpo has none of")
     if cfg.stage == "sft" and cfg.algo == "grpo":
         error("--stage sft trains the analyzer, which --algo grpo never uses")
     if cfg.stage == "sft" and cfg.resume:
