@@ -42,7 +42,8 @@ def probe_set_path(start_path, cfg):
 
 
 def save_probe_set(path, trajectories, env_name):
-    records = [{**{k: v for k, v in dataclasses.asdict(t).items() if k != "steps"},
+    # field by field, not dataclasses.asdict: that would deep-copy every step's prompt, a screenshot's included
+    records = [{**{f.name: getattr(t, f.name) for f in dataclasses.fields(t) if f.name != "steps"},
                 "steps": [{k: getattr(s, k) for k in STEP_FIELDS} for s in t.steps]} for t in trajectories]
     temporary = path + ".tmp"
     with open(temporary, "w") as f:

@@ -153,6 +153,23 @@ def test_screen_skill_probes_run_on_a_vision_model_folder(tiny_vlm, tmp_path):
     assert all(value is None or math.isfinite(value) for value, _ in found.values()), found
 
 
+def test_the_self_analysis_probe_records_and_reads_screen_episodes(tiny_vlm, tmp_path, capsys):
+    """The probe set of --env vision: episodes whose prompts carry screenshots are saved (as text), read back and
+    analyzed, and the probe's numbers come out (the random model's analyses never parse: 1.0, no crash)."""
+    from evaluation import self_analysis
+    import train
+    cfg = train.get_config(["--env", "vision", "--max-steps", "2", "--max-new-tokens", "8",
+                            "--analysis-max-new-tokens", "8"])
+    template, path = envs.load(envs.spec("vision").prompt), str(tmp_path / "probe_set.json")
+    recorded = self_analysis.probe_set(tiny_vlm, cfg, template, {"max_steps": 2}, path)
+    again = self_analysis.probe_set(None, cfg, template, {"max_steps": 2}, path)  # read back, not recorded again
+    assert [t.steps[0].observation for t in again] == [t.steps[0].observation for t in recorded]
+    assert sum("warning:" in line for line in capsys.readouterr().out.splitlines()) == 1
+    factory = lambda i: make_env("vision", "valid_seen", i, max_steps=2)
+    found = self_analysis.self_analysis(tiny_vlm, cfg, again, template, factory, [0.0] * self_analysis.LIFT_TASKS)
+    assert found["parse_fail"] == 1.0 and found["lift"] == 0.0, found
+
+
 def test_supervised_step_with_images(tiny_vlm, tmp_path):
     """The warm-up's SFT step on (image prompt, completion), with the prompt language-modelling loss."""
     tiny_vlm.model.save_pretrained(tmp_path)
