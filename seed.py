@@ -108,8 +108,8 @@ def sample(policy, prompts, max_new_tokens, temperature=1.0, batch_size=64, desc
         tokens, token_logps, token_alive = [], [], []
         for _ in range(max_new_tokens):
             out = model(input_ids=step_input, attention_mask=attention, position_ids=step_positions,
-                        use_cache=True, logits_to_keep=1, cache=cache, **images)
-            images, cache = {}, out.cache  # the pixels go in with the prompt only
+                        use_cache=True, logits_to_keep=1, **{policy.cache_name: cache}, **images)
+            images, cache = {}, getattr(out, policy.cache_name)  # the pixels go in with the prompt only
             logits = out.logits[:, -1].float()                          # (b, V)
             logits = torch.nan_to_num(logits, nan=0.0, posinf=1e4, neginf=-1e4)  # the update skips
             logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)

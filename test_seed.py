@@ -22,6 +22,9 @@ import sys
 import time
 import types
 
+# CPU tests, also on a GPU machine: a visible GPU would put every policy loaded without a device on it in bf16,
+# where exact comparisons (resume, fast vs reference) do not hold. Hidden before torch first asks for CUDA.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -1227,6 +1230,27 @@ def test_sample_greedy_stop_and_logprobs(tiny, trajectories):
     print(f"\nsampled (KV cache) vs re-scored log-probs: temperature 0.7 padded {diffs['padded']:.2e} packed "
           f"{diffs['packed']:.2e}; greedy {greedy_diff:.2e}; batch vs single {batch_diff:.2e}")
     assert max(diffs.values()) < 1e-4 and greedy_diff < 1e-4, (diffs, greedy_diff)
+
+
+class OldCacheName(torch.nn.Module):
+    """A model as transformers before 5.24 shaped it: the KV cache goes in and out as past_key_values."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.inner, self.config, self.name = policy.model, policy.model.config, policy.cache_name  # the installed one
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values=None, use_cache=True, logits_to_keep=0):
+        out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=use_cache, logits_to_keep=logits_to_keep, **{self.name: past_key_values})
+        return types.SimpleNamespace(logits=out.logits, past_key_values=getattr(out, self.name))
+
+
+def test_sample_reuses_the_kv_cache_under_either_transformers_name(tiny, trajectories):
+    policy, _ = tiny
+    old = Policy(OldCacheName(policy), policy.tokenizer)
+    assert old.cache_name == "past_key_values" and policy.cache_name in ("cache", "past_key_values")
+    prompts = [trajectories[0].steps[-1].prompt_ids, trajectories[0].steps[0].prompt_ids[:30]]
+    assert seed.sample(old, prompts, 10, temperature=0) == seed.sample(policy, prompts, 10, temperature=0)
 
 
 # ----------------------------------------------------------------------------- train.py

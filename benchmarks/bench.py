@@ -98,7 +98,7 @@ def bare_policy(model):
     """What sample() and policy_update() read from a Policy, for a model without a tokenizer."""
     names = inspect.signature(model.forward).parameters
     return types.SimpleNamespace(model=model, device=next(model.parameters()).device, pad_id=0, stop_ids=[1],
-                                 cache_kwarg="cache" if "cache" in names else "past_key_values")
+                                 banned_ids=[], cache_name="cache" if "cache" in names else "past_key_values")
 
 
 def random_rows(shapes, vocab, seed_value=0):
@@ -462,44 +462,56 @@ def section_train(args):
 
 
 def section_gpu(args):
-    """(gpu) bf16 on CUDA: generation and re-scoring tokens/s, one 3B-shaped update at the paper's shapes."""
+    """(gpu) bf16 on CUDA: generation, re-scoring (equal rows at the paper's shapes, then the realistic length mix,
+    padded vs packed with their max |diff| in bf16) and one 3B-shaped update, with peak memory for each."""
     if not torch.cuda.is_available():
         print("\n## gpu: skipped (no CUDA device; this section needs one)")
         return None
-    sync = torch.cuda.synchronize
+    sync, gib = torch.cuda.synchronize, lambda: torch.cuda.max_memory_allocated() / 2**30
     layers = 4 if args.quick else None  # the full 36 layers of Qwen2.5-3B unless --quick
     model = random_model("qwen-3b", layers, attn="sdpa", dtype=torch.bfloat16, device="cuda")
     policy, vocab = bare_policy(model), model.config.vocab_size
     rows, prompt_len, response_len = 128, 1024, 256  # paper: 16 tasks x 8 rollouts per generation batch
     prompts, responses = random_rows([(prompt_len, response_len)] * rows, vocab)
-    print(f"\n## gpu: {torch.cuda.get_device_name()}, qwen-3b-shaped ({model.config.num_hidden_layers} layers), bf16, "
-          f"{rows} rows x {prompt_len}+{response_len} tokens")
+    print(f"\n## gpu: {torch.cuda.get_device_name()}, torch {torch.__version__}, qwen-3b-shaped "
+          f"({model.config.num_hidden_layers} layers), bf16, weights {gib():.1f} GiB")
+    torch.cuda.reset_peak_memory_stats()
     sync()
     start = time.perf_counter()
     sampled, _ = seed.sample(policy, prompts, response_len, batch_size=rows)
     sync()
     generated = sum(len(r) for r in sampled)
-    print(f"generation: {generated / (time.perf_counter() - start):,.0f} new tokens/s (batch {rows}, KV cache)")
-    for layout in ("padded", "packed"):
-        score = lambda: seed.response_logprobs(model, prompts, responses, 0, layout=layout)
-        score()
-        sync()
-        start = time.perf_counter()
-        score()
-        sync()
-        print(f"re-scoring ({layout}): {rows * (prompt_len + response_len) / (time.perf_counter() - start):,.0f} tokens/s")
+    print(f"generation, {rows} rows x {prompt_len}+{response_len}: {generated / (time.perf_counter() - start):,.0f} "
+          f"new tokens/s (KV cache), peak memory {gib():.1f} GiB")
+    results = {}
+    for label, (batch_prompts, batch_responses) in {
+            f"equal rows, {rows} x {prompt_len}+{response_len}": (prompts, responses),
+            f"realistic mix, {rows} rows": random_rows(realistic_mix(rows), vocab, 1)}.items():
+        score = lambda layout: seed.response_logprobs(model, batch_prompts, batch_responses, 0, layout=layout)
+        gap = (score("padded").float() - score("packed").float()).abs()  # (rows, longest response), 0 on padding
+        timed = lambda layout: (score(layout), sync())
+        torch.cuda.reset_peak_memory_stats()
+        times = compare({"padded": lambda: timed("padded"), "packed": lambda: timed("packed")}, args.repeats)
+        tokens = sum(len(p) + len(r) for p, r in zip(batch_prompts, batch_responses))
+        print(f"re-scoring, {label}: padded {tokens / med(times['padded']):,.0f} tokens/s, packed "
+              f"{tokens / med(times['packed']):,.0f} tokens/s, packed speed-up {median_ratio(times, 'padded', 'packed'):.2f}x, "
+              f"max |diff| {gap.max().item():.1e} (mean {gap.mean().item():.1e}), peak memory {gib():.1f} GiB")
+        results[label] = median_ratio(times, "padded", "packed")
     model.train()
     set_checkpointing(model, True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     advantages = torch.randn(rows)
-    torch.cuda.reset_peak_memory_stats()
-    sync()
-    start = time.perf_counter()
-    seed.policy_update(policy, optimizer, prompts, responses, advantages, None, max_batch_tokens=16384)
-    sync()
-    print(f"update (checkpointing, AdamW, 16,384-token micro-batches): {time.perf_counter() - start:.1f} s, "
-          f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    return True
+    for attempt in ("first (allocates optimizer state)", "second"):
+        torch.cuda.reset_peak_memory_stats()
+        sync()
+        start = time.perf_counter()
+        seed.policy_update(policy, optimizer, prompts, responses, advantages, None, max_batch_tokens=16384)
+        sync()
+        seconds = time.perf_counter() - start
+        print(f"update {attempt} (checkpointing, AdamW, 16,384-token micro-batches, {rows * (prompt_len + response_len):,} "
+              f"tokens): {seconds:.1f} s, {rows * (prompt_len + response_len) / seconds:,.0f} tokens/s, "
+              f"peak memory {gib():.1f} GiB")
+    return results
 
 
 # ----------------------------------------------------------------------------- main

@@ -6,6 +6,8 @@ allows it): bf16 on CUDA, fp32 on CPU unless told otherwise. save_policy writes 
 its image processor into one ordinary Hugging Face folder, which load_policy reads back; checkpoints, stage 1,
 the tiny warm-up and the tiny builders all use it. No departure from the paper.
 """
+import inspect
+
 import torch
 
 from models import vision
@@ -23,6 +25,8 @@ class Policy:
         self.sees_images = vision.is_vlm_model(model)  # a text-only policy reads an observation's text alone
         banned = [tokenizer.convert_tokens_to_ids(t) for t in vision.VISION_TOKENS] if self.sees_images else []
         self.banned_ids = [i for i in banned if isinstance(i, int) and 0 <= i < len(tokenizer)]
+        # the KV cache's argument and output field: transformers 5.24 renamed past_key_values to cache
+        self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def count_tokens(self, text):
         """Tokens in `text` under this tokenizer (the analyzer prompt's budget)."""
