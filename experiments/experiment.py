@@ -229,6 +229,8 @@ def ratio_line(curves, metric="micro", name="success"):
     gain, gap = target - grpo[0][1], final - target
     if gain <= grpo_std or abs(gap) <= max(seed_std, grpo_std):
         return f"{head}: not different; {finals}"
+    if gap < 0:  # SEED may pass GRPO's final mid-run and fall back: a run that ends behind gets no ratio
+        return f"{head}: < 1 (SEED ends below GRPO); {finals}"
     reached = episodes_to_reach(seed_curve, target)
     ratio = f"{budget / max(reached, 1e-9):.2f}" if reached else f"< 1 (SEED short of GRPO at {budget})"
     return f"{head}: {ratio}; {finals}"

@@ -34,6 +34,10 @@ def test_ratio_line_divides_episodes_and_says_not_different_inside_the_noise():
     curves[("micro", "seed", "valid_seen")][-1] = (320, 0.70, 0.03)
     curves[("micro", "grpo", "valid_seen")][-1] = (320, 0.28, 0.05)  # GRPO's own gain inside its spread
     assert "not different" in experiment.ratio_line(curves)  # today: "50% fewer" for two equal curves
+    seed_curve = [(0, 0.25, 0.0), (160, 0.40, 0.01), (320, 0.20, 0.01)]  # passes GRPO's final, ends below it
+    behind = {("micro", "grpo", "valid_seen"): [(0, 0.25, 0.0), (160, 0.30, 0.02), (320, 0.32, 0.02)],
+              ("micro", "seed", "valid_seen"): seed_curve}
+    assert experiment.ratio_line(behind).startswith("episodes ratio (GRPO/SEED): < 1 (SEED ends below GRPO);")
     habit = {("habit_unlearned", algo, "valid_seen"): points for (_, algo, _), points in curves.items()}
     assert experiment.ratio_line(habit, "habit_unlearned", "habit unlearned").startswith(
         "episodes ratio (GRPO/SEED) on habit unlearned: not different; final valid_seen habit unlearned SEED 0.700")
