@@ -23,7 +23,6 @@ row has a teacher pass (the worst case for SEED). Tests never time anything; tes
 import argparse
 import contextlib
 import copy
-import inspect
 import io
 import json
 import os
@@ -42,7 +41,7 @@ import torch  # noqa: E402
 
 import loss as L  # noqa: E402
 import seed  # noqa: E402
-from models.policy import Policy, load_policy  # noqa: E402
+from models.policy import Policy, kv_cache_name, load_policy  # noqa: E402
 from models.tiny import TINY_SIZES, build_tiny_policy  # noqa: E402
 from simulators.household import PROMPT  # noqa: E402
 
@@ -96,9 +95,8 @@ def random_model(kind, layers=None, attn=None, dtype=torch.float32, device="cpu"
 
 def bare_policy(model):
     """What sample() and policy_update() read from a Policy, for a model without a tokenizer."""
-    names = inspect.signature(model.forward).parameters
     return types.SimpleNamespace(model=model, device=next(model.parameters()).device, pad_id=0, stop_ids=[1],
-                                 banned_ids=[], cache_name="cache" if "cache" in names else "past_key_values")
+                                 banned_ids=[], cache_name=kv_cache_name(model))
 
 
 def random_rows(shapes, vocab, seed_value=0):

@@ -13,6 +13,11 @@ import torch
 from models import vision
 
 
+def kv_cache_name(model):
+    """The KV cache's argument and output field: transformers 5.24 renamed past_key_values to cache."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Policy:
     """A causal LM, its tokenizer and the ids that end a turn. Acts, analyzes and is trained."""
 
@@ -25,8 +30,7 @@ class Policy:
         self.sees_images = vision.is_vlm_model(model)  # a text-only policy reads an observation's text alone
         banned = [tokenizer.convert_tokens_to_ids(t) for t in vision.VISION_TOKENS] if self.sees_images else []
         self.banned_ids = [i for i in banned if isinstance(i, int) and 0 <= i < len(tokenizer)]
-        # the KV cache's argument and output field: transformers 5.24 renamed past_key_values to cache
-        self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.cache_name = kv_cache_name(model)
 
     def count_tokens(self, text):
         """Tokens in `text` under this tokenizer (the analyzer prompt's budget)."""
