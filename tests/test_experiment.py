@@ -158,3 +158,33 @@ def test_mechanism_updates_both_arms_on_all_failed_groups_only(shipped):
             assert 0 < record["habit_before"] < 1 and 0 < record["habit_after"] < 1, record
             assert record["habit_after"] != record["habit_before"], record  # the update moved the policy
             assert record["delta_abs_all"] >= 0 and record["advantage_abs"] >= 0, record
+
+
+def test_success_bound_corrects_only_the_steps_it_is_told_to():
+    """experiments/success_bound.py's env: the skip-transform demonstrator wins only with the habit corrected, a
+    player of nothing but invalid commands only with those corrected; each correction is counted."""
+    from evaluation.habit import habit_task_seeds
+    from experiments.success_bound import Corrected
+    import envs
+
+    def play(env, task_seed, command):
+        env.reset(task_seed)
+        done, info = False, {}
+        while not done:
+            _, _, done, info = env.step(command(env))
+        return info["won"]
+
+    task_seed = habit_task_seeds(1, "valid_seen")[0]
+    habit = lambda env: env.expert_action(skip_transform=True)  # noqa: E731
+    nonsense = lambda env: "go to nowhere 1"  # noqa: E731
+    results = {}
+    for name, command, fix_habit, fix_invalid in [("habit", habit, False, False), ("habit fixed", habit, True, False),
+                                                  ("invalid", nonsense, False, False),
+                                                  ("invalid fixed", nonsense, False, True),
+                                                  ("invalid, habit fixed", nonsense, True, False)]:
+        env = Corrected(envs.make_env("household", "valid_seen", task_seed), fix_habit, fix_invalid)
+        results[name] = (play(env, task_seed, command), env.substitutions, env.reached_decision)
+    assert results["habit"] == (False, 0, True)
+    assert results["habit fixed"][:2] == (True, 2)  # walking to the appliance, then using it, not the target
+    assert results["invalid"] == (False, 0, False) and results["invalid, habit fixed"] == (False, 0, False)
+    assert results["invalid fixed"][0] and results["invalid fixed"][1] >= 3

@@ -1,0 +1,122 @@
+"""
+experiments/success_bound.py: how much valid_seen success is there to gain on the household demo by unlearning the
+planted habit, and how much by not issuing invalid commands? An answer to issue 38's "report what bounds them".
+
+    python experiments/success_bound.py out/exp12/seed-6 out/exp12/grpo-6      # start model + each run's last checkpoint
+    python experiments/success_bound.py out/exp11/seed-6 --tasks 48 --split valid_seen
+
+Each model plays the split's first --tasks tasks greedily (the evaluation's protocol) four times, with an env that
+corrects it at one kind of step and otherwise plays what the policy wrote:
+
+  as played      no correction: the evaluation's success;
+  habit fixed    while it holds the goal object that still needs heating, cooling or cleaning, a command that is the
+                 habit's (the skip-transform demonstrator's next command: walk to or put into the target) is
+                 replaced by the expert's (walk to or use the appliance): success if the habit were unlearned fully
+                 and nothing else changed, the most any teacher that fixes the habit could give;
+  invalid fixed  a command the env would refuse ("Nothing happens.") is replaced by the expert's next command;
+  both           both corrections.
+
+The policy's prompt history keeps what it wrote, not the substitute (the rollout records the policy's command),
+so a corrected step reads as its own command followed by the substitute's observation. The substitutions per
+episode are reported beside the success. Greedy on the tiny model; the last digit can move with the thread count.
+Not in the paper (its benchmarks plant no habit).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+import envs  # noqa: E402
+import seed  # noqa: E402
+import train  # noqa: E402
+from experiments.analyzer_drift import run_config  # noqa: E402
+from models.policy import load_policy  # noqa: E402
+from simulators.household import TRANSFORMS, kind_of  # noqa: E402
+from training.checkpoints import intact_checkpoints  # noqa: E402
+
+CONDITIONS = {"as played": (False, False), "habit fixed": (True, False), "invalid fixed": (False, True),
+              "both": (True, True)}
+
+
+class Corrected:
+    """A household env that plays the expert's command in place of the policy's at the steps it is told to fix."""
+
+    def __init__(self, env, fix_habit, fix_invalid):
+        self.env, self.fix_habit, self.fix_invalid = env, fix_habit, fix_invalid
+        self.substitutions, self.reached_decision = 0, False
+
+    def __getattr__(self, name):  # everything else is the wrapped env's
+        return getattr(self.env, name)
+
+    def reset(self, seed=None):
+        self.substitutions, self.reached_decision = 0, False
+        observation, info = self.env.reset(seed)
+        self.admissible = set(info["admissible"])
+        return observation, info
+
+    def needs_transform(self):
+        """The agent holds the goal object and it still lacks the task's heat / cool / clean property."""
+        env = self.env
+        if env.task_type not in TRANSFORMS or env.holding is None or kind_of(env.holding) != env.goal_object:
+            return False
+        return TRANSFORMS[env.task_type][2] not in env.properties[env.holding]
+
+    def step(self, action):
+        env, command = self.env, " ".join(str(action).split()).lower()
+        if not env.done and self.needs_transform():
+            self.reached_decision = True
+            if self.fix_habit and command == env.expert_action(skip_transform=True) != env.expert_action():
+                command, self.substitutions = env.expert_action(), self.substitutions + 1
+        if not env.done and self.fix_invalid and command not in self.admissible:
+            command, self.substitutions = env.expert_action(), self.substitutions + 1
+        observation, reward, done, info = env.step(command)
+        self.admissible = set(info["admissible"])
+        return observation, reward, done, info
+
+
+def play(policy, cfg, split, tasks, options, template, fix_habit, fix_invalid):
+    """Greedy episodes on tasks 0..tasks-1 -> (success, substitutions per episode, reached-decision share)."""
+    env_list = [Corrected(envs.make_env(cfg.env, split, i, **options), fix_habit, fix_invalid) for i in range(tasks)]
+    trajectories = seed.rollout(policy, env_list, list(range(tasks)), 1, cfg.max_steps, template, cfg.max_new_tokens,
+                                0.0, cfg.history_window, cfg.invalid_penalty, cfg.max_prompt_tokens,
+                                desc=f"{split} {'habit' if fix_habit else ''} {'invalid' if fix_invalid else ''}")
+    return (sum(t.won for t in trajectories) / tasks, sum(e.substitutions for e in env_list) / tasks,
+            sum(e.reached_decision for e in env_list) / tasks)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="household run folders (config.json, checkpoints/); the start "
+                                                "model is the first run's")
+    parser.add_argument("--split", default="valid_seen", help="split played (default: valid_seen)")
+    parser.add_argument("--tasks", type=int, default=48, help="tasks played, 0..N-1 (default: 48)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = run_config(args.runs[0])
+    if cfg.env != "household":
+        raise SystemExit(f"{args.runs[0]}: env {cfg.env}; the habit and its correction exist on household only")
+    options = envs.env_options(cfg)
+    template = envs.load(envs.spec(cfg.env).prompt)
+    models = [("start", train.start_model(cfg, options))]
+    models += [(f"{os.path.basename(os.path.normpath(run))} {os.path.basename(intact_checkpoints(run)[-1])}",
+                intact_checkpoints(run)[-1]) for run in args.runs if intact_checkpoints(run)]
+    print(f"greedy {args.split} success on tasks 0-{args.tasks - 1} (substitutions per episode); "
+          f"'decision' = share of episodes that took the goal object still needing its step")
+    print(f"{'model':<30} " + " ".join(f"{name:>20}" for name in CONDITIONS) + f" {'decision':>9}")
+    for name, path in models:
+        policy = load_policy(path, "cpu", "float32")
+        cells, reached = [], 0.0
+        for fix_habit, fix_invalid in CONDITIONS.values():
+            success, substitutions, decision = play(policy, cfg, args.split, args.tasks, options, template,
+                                                    fix_habit, fix_invalid)
+            cells.append(f"{success:.3f} ({substitutions:4.2f})")
+            reached = decision if not (fix_habit or fix_invalid) else reached
+        print(f"{name:<30} " + " ".join(f"{cell:>20}" for cell in cells) + f" {reached:>9.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
