@@ -18,8 +18,17 @@ corrects it at one kind of step and otherwise plays what the policy wrote:
 
 The policy's prompt history keeps what it wrote, not the substitute (the rollout records the policy's command),
 so a corrected step reads as its own command followed by the substitute's observation. The substitutions per
-episode are reported beside the success. Greedy on the tiny model; the last digit can move with the thread count.
-Not in the paper (its benchmarks plant no habit).
+episode are reported beside the success.
+
+Then, could SEED's teacher fix what bounds success? On the same greedy episodes (uncorrected), each model's teacher
+re-scores its own commands with four skills in the context: its own analysis of the episode, another episode's
+(shuffled), the ground-truth annotator's, a content-free one (the warm-up's). Printed per skill: the mean change of
+a command's log-probability (teacher minus student, the whole response, nats) on invalid commands, on invalid
+commands that repeat the step before (the greedy loops), and on valid ones, the invalid minus the valid (how much
+more the skill argues against an invalid command than against a valid one) and the share of invalid commands the
+teacher makes less likely. A teacher that can break the loops lowers the invalid rows well below the valid ones.
+Greedy on the tiny model; the last digit can move with the thread count. Not in the paper (its benchmarks plant no
+habit).
 """
 import argparse
 import os
@@ -35,6 +44,7 @@ from experiments.analyzer_drift import run_config  # noqa: E402
 from models.policy import load_policy  # noqa: E402
 from simulators.household import TRANSFORMS, kind_of  # noqa: E402
 from training.checkpoints import intact_checkpoints  # noqa: E402
+from warmup.warm_start import GENERIC_SKILLS  # noqa: E402
 
 CONDITIONS = {"as played": (False, False), "habit fixed": (True, False), "invalid fixed": (False, True),
               "both": (True, True)}
@@ -86,6 +96,36 @@ def play(policy, cfg, split, tasks, options, template, fix_habit, fix_invalid):
             sum(e.reached_decision for e in env_list) / tasks)
 
 
+def teacher_on_commands(policy, cfg, split, tasks, options, template):
+    """-> {skill source: (mean delta on invalid, on repeated invalid, on valid commands, share of invalid lowered,
+    (counts))}: how each skill in the teacher's context moves the log-probability of the policy's own commands."""
+    env_list = [envs.make_env(cfg.env, split, i, **options) for i in range(tasks)]
+    trajectories = seed.rollout(policy, env_list, list(range(tasks)), 1, cfg.max_steps, template, cfg.max_new_tokens,
+                                0.0, cfg.history_window, cfg.invalid_penalty, cfg.max_prompt_tokens, desc="episodes")
+    own, _ = seed.analyze(policy, trajectories, cfg.analysis_prompt_tokens, cfg.analysis_max_new_tokens)
+    annotate = envs.load(envs.spec(cfg.env).annotator)
+    sources = {"own": own, "shuffled": own[1:] + own[:1],  # the next episode's analysis
+               "annotator": [annotate(t, t.gt)[1] if t.gt else None for t in trajectories],
+               "content-free": [GENERIC_SKILLS[0]] * len(trajectories)}
+    kinds = []  # per step row: "invalid", "repeated" (invalid and the command before it) or "valid"
+    for trajectory in trajectories:
+        for index, step in enumerate(trajectory.steps):
+            repeated = index > 0 and step.action == trajectory.steps[index - 1].action
+            kinds.append("valid" if step.valid else "repeated" if repeated else "invalid")
+    results = {}
+    for name, skill_list in sources.items():
+        rows = seed.step_rows(trajectories, skill_list)
+        old, teacher, _, has_teacher = seed.rescore(policy, rows, cfg.temperature, cfg.layout, cfg.max_batch_tokens)
+        delta = (teacher - old).sum(dim=1)  # (B,) per command; padding and rows without a skill are 0 in both
+        pick = lambda wanted: [d for d, kind, has in zip(delta.tolist(), kinds, has_teacher.tolist())  # noqa: E731
+                               if has and kind in wanted]
+        invalid, repeated, valid = pick(("invalid", "repeated")), pick(("repeated",)), pick(("valid",))
+        mean = lambda values: sum(values) / max(len(values), 1)  # noqa: E731
+        results[name] = (mean(invalid), mean(repeated), mean(valid), mean([d < 0 for d in invalid]),
+                         (len(invalid), len(repeated), len(valid)))
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,6 +156,16 @@ def main():
             cells.append(f"{success:.3f} ({substitutions:4.2f})")
             reached = decision if not (fix_habit or fix_invalid) else reached
         print(f"{name:<30} " + " ".join(f"{cell:>20}" for cell in cells) + f" {reached:>9.3f}", flush=True)
+    print(f"\nthe teacher on the policy's own commands, greedy {args.split} episodes: mean log-prob change with the "
+          f"skill in the context (nats per command; count)")
+    print(f"{'model':<30} {'skill':<13} {'invalid':>14} {'repeated invalid':>17} {'valid':>14} "
+          f"{'invalid - valid':>16} {'invalid lowered':>16}")
+    for name, path in models:
+        policy = load_policy(path, "cpu", "float32")
+        for source, (invalid, repeated, valid, lowered, counts) in teacher_on_commands(
+                policy, cfg, args.split, args.tasks, options, template).items():
+            print(f"{name:<30} {source:<13} {invalid:+7.3f} ({counts[0]:4d}) {repeated:+9.3f} ({counts[1]:4d}) "
+                  f"{valid:+7.3f} ({counts[2]:4d}) {invalid - valid:>+16.3f} {lowered:>16.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -188,3 +188,24 @@ def test_success_bound_corrects_only_the_steps_it_is_told_to():
     assert results["habit fixed"][:2] == (True, 2)  # walking to the appliance, then using it, not the target
     assert results["invalid"] == (False, 0, False) and results["invalid, habit fixed"] == (False, 0, False)
     assert results["invalid fixed"][0] and results["invalid fixed"][1] >= 3
+
+
+def test_teacher_on_commands_tallies_every_command_once(shipped):
+    """success_bound.teacher_on_commands on the shipped model, 2 greedy tasks: each skill source sorts every
+    command with a teacher into invalid (repeats among them) or valid; a content-free skill reaches them all."""
+    import envs
+    from experiments.success_bound import teacher_on_commands
+    from models.policy import load_policy
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    cfg = train.get_config([], check=False)
+    options = envs.env_options(cfg)
+    results = teacher_on_commands(load_policy(shipped, "cpu", "float32"), cfg, "valid_seen", 2, options,
+                                  envs.load(envs.spec(cfg.env).prompt))
+    assert set(results) == {"own", "shuffled", "annotator", "content-free"}
+    steps = sum(results["content-free"][4][i] for i in (0, 2))
+    assert steps > 0
+    for name, (invalid, repeated, valid, lowered, (n_invalid, n_repeated, n_valid)) in results.items():
+        assert n_repeated <= n_invalid and n_invalid + n_valid <= steps, (name, results[name])
+        assert 0.0 <= lowered <= 1.0 and all(abs(x) < 50 for x in (invalid, repeated, valid)), (name, results[name])
+    assert results["content-free"][2] != 0.0 or results["content-free"][0] != 0.0  # a skill block moves log-probs
