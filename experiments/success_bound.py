@@ -2,7 +2,7 @@
 experiments/success_bound.py: how much valid_seen success is there to gain on the household demo by unlearning the
 planted habit, and how much by not issuing invalid commands? An answer to issue 38's "report what bounds them".
 
-    python experiments/success_bound.py out/exp12/seed-6 out/exp12/grpo-6      # start model + each run's last checkpoint
+    python experiments/success_bound.py out/exp12/seed-6 out/exp12/grpo-6   # start model + each run's last checkpoint
     python experiments/success_bound.py out/exp11/seed-6 --tasks 48 --split valid_seen
 
 Each model plays the split's first --tasks tasks greedily (the evaluation's protocol) four times, with an env that
@@ -26,7 +26,8 @@ re-scores its own commands with four skills in the context: its own analysis of 
 a command's log-probability (teacher minus student, the whole response, nats) on invalid commands, on invalid
 commands that repeat the step before (the greedy loops), and on valid ones, the invalid minus the valid (how much
 more the skill argues against an invalid command than against a valid one) and the share of invalid commands the
-teacher makes less likely. A teacher that can break the loops lowers the invalid rows well below the valid ones.
+teacher makes less likely; above them, the student's own mean log-prob of each kind (no skill). A teacher that can
+break the loops lowers the invalid rows well below the valid ones.
 Greedy on the tiny model; the last digit can move with the thread count. Not in the paper (its benchmarks plant no
 habit).
 """
@@ -97,8 +98,9 @@ def play(policy, cfg, split, tasks, options, template, fix_habit, fix_invalid):
 
 
 def teacher_on_commands(policy, cfg, split, tasks, options, template):
-    """-> {skill source: (mean delta on invalid, on repeated invalid, on valid commands, share of invalid lowered,
-    (counts))}: how each skill in the teacher's context moves the log-probability of the policy's own commands."""
+    """-> ({skill source: (mean delta on invalid, on repeated invalid, on valid commands, share of invalid lowered,
+    (counts))}, (the student's mean log-prob of invalid, repeated invalid, valid commands)): how each skill in the
+    teacher's context moves the log-probability of the policy's own commands, and where they stand without one."""
     env_list = [envs.make_env(cfg.env, split, i, **options) for i in range(tasks)]
     trajectories = seed.rollout(policy, env_list, list(range(tasks)), 1, cfg.max_steps, template, cfg.max_new_tokens,
                                 0.0, cfg.history_window, cfg.invalid_penalty, cfg.max_prompt_tokens, desc="episodes")
@@ -112,18 +114,23 @@ def teacher_on_commands(policy, cfg, split, tasks, options, template):
         for index, step in enumerate(trajectory.steps):
             repeated = index > 0 and step.action == trajectory.steps[index - 1].action
             kinds.append("valid" if step.valid else "repeated" if repeated else "invalid")
+    mean = lambda values: sum(values) / max(len(values), 1)  # noqa: E731
+    pick = lambda values, wanted, keep: [v for v, kind, has in zip(values, kinds, keep)  # noqa: E731
+                                         if has and kind in wanted]
     results = {}
     for name, skill_list in sources.items():
         rows = seed.step_rows(trajectories, skill_list)
         old, teacher, _, has_teacher = seed.rescore(policy, rows, cfg.temperature, cfg.layout, cfg.max_batch_tokens)
         delta = (teacher - old).sum(dim=1)  # (B,) per command; padding and rows without a skill are 0 in both
-        pick = lambda wanted: [d for d, kind, has in zip(delta.tolist(), kinds, has_teacher.tolist())  # noqa: E731
-                               if has and kind in wanted]
-        invalid, repeated, valid = pick(("invalid", "repeated")), pick(("repeated",)), pick(("valid",))
-        mean = lambda values: sum(values) / max(len(values), 1)  # noqa: E731
+        keep, delta = has_teacher.tolist(), delta.tolist()
+        invalid, repeated = pick(delta, ("invalid", "repeated"), keep), pick(delta, ("repeated",), keep)
+        valid = pick(delta, ("valid",), keep)
         results[name] = (mean(invalid), mean(repeated), mean(valid), mean([d < 0 for d in invalid]),
                          (len(invalid), len(repeated), len(valid)))
-    return results
+    command_logp = old.sum(dim=1).tolist()  # (B,) the student's, no skill: the same under every source
+    student = tuple(mean(pick(command_logp, wanted, [True] * len(kinds)))
+                    for wanted in (("invalid", "repeated"), ("repeated",), ("valid",)))
+    return results, student
 
 
 def main():
@@ -162,8 +169,10 @@ def main():
           f"{'invalid - valid':>16} {'invalid lowered':>16}")
     for name, path in models:
         policy = load_policy(path, "cpu", "float32")
-        for source, (invalid, repeated, valid, lowered, counts) in teacher_on_commands(
-                policy, cfg, args.split, args.tasks, options, template).items():
+        results, student = teacher_on_commands(policy, cfg, args.split, args.tasks, options, template)
+        print(f"{name:<30} {'(no skill)':<13} {student[0]:7.3f} {'':6} {student[1]:9.3f} {'':6} {student[2]:7.3f}  "
+              f"<- the student's own log-prob", flush=True)
+        for source, (invalid, repeated, valid, lowered, counts) in results.items():
             print(f"{name:<30} {source:<13} {invalid:+7.3f} ({counts[0]:4d}) {repeated:+9.3f} ({counts[1]:4d}) "
                   f"{valid:+7.3f} ({counts[2]:4d}) {invalid - valid:>+16.3f} {lowered:>16.3f}", flush=True)
 

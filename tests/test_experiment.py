@@ -200,7 +200,7 @@ def test_teacher_on_commands_tallies_every_command_once(shipped):
     torch.manual_seed(0)
     cfg = train.get_config([], check=False)
     options = envs.env_options(cfg)
-    results = teacher_on_commands(load_policy(shipped, "cpu", "float32"), cfg, "valid_seen", 2, options,
+    results, student = teacher_on_commands(load_policy(shipped, "cpu", "float32"), cfg, "valid_seen", 2, options,
                                   envs.load(envs.spec(cfg.env).prompt))
     assert set(results) == {"own", "shuffled", "annotator", "content-free"}
     steps = sum(results["content-free"][4][i] for i in (0, 2))
@@ -209,3 +209,4 @@ def test_teacher_on_commands_tallies_every_command_once(shipped):
         assert n_repeated <= n_invalid and n_invalid + n_valid <= steps, (name, results[name])
         assert 0.0 <= lowered <= 1.0 and all(abs(x) < 50 for x in (invalid, repeated, valid)), (name, results[name])
     assert results["content-free"][2] != 0.0 or results["content-free"][0] != 0.0  # a skill block moves log-probs
+    assert all(value <= 0.0 for value in student) and min(student) < 0.0, student  # log-probs of sampled commands
