@@ -88,22 +88,21 @@ class Corrected:
 
 
 def play(policy, cfg, split, tasks, options, template, fix_habit, fix_invalid):
-    """Greedy episodes on tasks 0..tasks-1 -> (success, substitutions per episode, reached-decision share)."""
+    """Greedy episodes on tasks 0..tasks-1 -> (success, substitutions per episode, reached-decision share,
+    the trajectories)."""
     env_list = [Corrected(envs.make_env(cfg.env, split, i, **options), fix_habit, fix_invalid) for i in range(tasks)]
     trajectories = seed.rollout(policy, env_list, list(range(tasks)), 1, cfg.max_steps, template, cfg.max_new_tokens,
                                 0.0, cfg.history_window, cfg.invalid_penalty, cfg.max_prompt_tokens,
                                 desc=f"{split} {'habit' if fix_habit else ''} {'invalid' if fix_invalid else ''}")
     return (sum(t.won for t in trajectories) / tasks, sum(e.substitutions for e in env_list) / tasks,
-            sum(e.reached_decision for e in env_list) / tasks)
+            sum(e.reached_decision for e in env_list) / tasks, trajectories)
 
 
-def teacher_on_commands(policy, cfg, split, tasks, options, template):
-    """-> ({skill source: (mean delta on invalid, on repeated invalid, on valid commands, share of invalid lowered,
-    (counts))}, (the student's mean log-prob of invalid, repeated invalid, valid commands)): how each skill in the
-    teacher's context moves the log-probability of the policy's own commands, and where they stand without one."""
-    env_list = [envs.make_env(cfg.env, split, i, **options) for i in range(tasks)]
-    trajectories = seed.rollout(policy, env_list, list(range(tasks)), 1, cfg.max_steps, template, cfg.max_new_tokens,
-                                0.0, cfg.history_window, cfg.invalid_penalty, cfg.max_prompt_tokens, desc="episodes")
+def teacher_on_commands(policy, cfg, trajectories):
+    """The policy's own finished trajectories -> ({skill source: (mean delta on invalid, on repeated invalid, on valid
+    commands, share of invalid lowered, (counts))}, (the student's mean log-prob of invalid, repeated invalid, valid
+    commands)): how each skill in the teacher's context moves the log-probability of the policy's own commands, and
+    where they stand without one."""
     own, _ = seed.analyze(policy, trajectories, cfg.analysis_prompt_tokens, cfg.analysis_max_new_tokens)
     annotate = envs.load(envs.spec(cfg.env).annotator)
     sources = {"own": own, "shuffled": own[1:] + own[:1],  # the next episode's analysis
@@ -117,11 +116,13 @@ def teacher_on_commands(policy, cfg, split, tasks, options, template):
     mean = lambda values: sum(values) / max(len(values), 1)  # noqa: E731
     pick = lambda values, wanted, keep: [v for v, kind, has in zip(values, kinds, keep)  # noqa: E731
                                          if has and kind in wanted]
-    results = {}
+    results, old = {}, None
     for name, skill_list in sources.items():
-        rows = seed.step_rows(trajectories, skill_list)
-        old, teacher, _, has_teacher = seed.rescore(policy, rows, cfg.temperature, cfg.layout, cfg.max_batch_tokens)
-        delta = (teacher - old).sum(dim=1)  # (B,) per command; padding and rows without a skill are 0 in both
+        rows = seed.step_rows(trajectories, skill_list)  # the same student rows under every source: scored once
+        scored, teacher, _, has_teacher = seed.rescore(policy, rows, cfg.temperature, cfg.layout, cfg.max_batch_tokens,
+                                                       need_old=old is None)
+        old = scored if old is None else old  # (B, R)
+        delta = (teacher - old).sum(dim=1)  # (B,) per command; padding is 0 in both, rows without a skill are dropped
         keep, delta = has_teacher.tolist(), delta.tolist()
         invalid, repeated = pick(delta, ("invalid", "repeated"), keep), pick(delta, ("repeated",), keep)
         valid = pick(delta, ("valid",), keep)
@@ -154,27 +155,28 @@ def main():
     print(f"greedy {args.split} success on tasks 0-{args.tasks - 1} (substitutions per episode); "
           f"'decision' = share of episodes that took the goal object still needing its step")
     print(f"{'model':<30} " + " ".join(f"{name:>20}" for name in CONDITIONS) + f" {'decision':>9}")
+    teacher_lines = []  # the second table, printed after the first
     for name, path in models:
         policy = load_policy(path, "cpu", "float32")
         cells, reached = [], 0.0
         for fix_habit, fix_invalid in CONDITIONS.values():
-            success, substitutions, decision = play(policy, cfg, args.split, args.tasks, options, template,
-                                                    fix_habit, fix_invalid)
+            success, substitutions, decision, trajectories = play(policy, cfg, args.split, args.tasks, options,
+                                                                  template, fix_habit, fix_invalid)
             cells.append(f"{success:.3f} ({substitutions:4.2f})")
-            reached = decision if not (fix_habit or fix_invalid) else reached
+            if not (fix_habit or fix_invalid):  # as played: the episodes the teacher re-scores
+                reached, played = decision, trajectories
         print(f"{name:<30} " + " ".join(f"{cell:>20}" for cell in cells) + f" {reached:>9.3f}", flush=True)
+        results, student = teacher_on_commands(policy, cfg, played)
+        teacher_lines.append(f"{name:<30} {'(no skill)':<13} {student[0]:7.3f} {'':6} {student[1]:9.3f} {'':6} "
+                             f"{student[2]:7.3f}  <- the student's own log-prob")
+        teacher_lines += [f"{name:<30} {source:<13} {invalid:+7.3f} ({counts[0]:4d}) {repeated:+9.3f} ({counts[1]:4d}) "
+                          f"{valid:+7.3f} ({counts[2]:4d}) {invalid - valid:>+16.3f} {lowered:>16.3f}"
+                          for source, (invalid, repeated, valid, lowered, counts) in results.items()]
     print(f"\nthe teacher on the policy's own commands, greedy {args.split} episodes: mean log-prob change with the "
           f"skill in the context (nats per command; count)")
     print(f"{'model':<30} {'skill':<13} {'invalid':>14} {'repeated invalid':>17} {'valid':>14} "
           f"{'invalid - valid':>16} {'invalid lowered':>16}")
-    for name, path in models:
-        policy = load_policy(path, "cpu", "float32")
-        results, student = teacher_on_commands(policy, cfg, args.split, args.tasks, options, template)
-        print(f"{name:<30} {'(no skill)':<13} {student[0]:7.3f} {'':6} {student[1]:9.3f} {'':6} {student[2]:7.3f}  "
-              f"<- the student's own log-prob", flush=True)
-        for source, (invalid, repeated, valid, lowered, counts) in results.items():
-            print(f"{name:<30} {source:<13} {invalid:+7.3f} ({counts[0]:4d}) {repeated:+9.3f} ({counts[1]:4d}) "
-                  f"{valid:+7.3f} ({counts[2]:4d}) {invalid - valid:>+16.3f} {lowered:>16.3f}", flush=True)
+    print("\n".join(teacher_lines))
 
 
 if __name__ == "__main__":

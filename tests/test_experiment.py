@@ -194,14 +194,15 @@ def test_teacher_on_commands_tallies_every_command_once(shipped):
     """success_bound.teacher_on_commands on the shipped model, 2 greedy tasks: each skill source sorts every
     command with a teacher into invalid (repeats among them) or valid; a content-free skill reaches them all."""
     import envs
-    from experiments.success_bound import teacher_on_commands
+    from experiments.success_bound import play, teacher_on_commands
     from models.policy import load_policy
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     cfg = train.get_config([], check=False)
-    options = envs.env_options(cfg)
-    results, student = teacher_on_commands(load_policy(shipped, "cpu", "float32"), cfg, "valid_seen", 2, options,
-                                  envs.load(envs.spec(cfg.env).prompt))
+    policy = load_policy(shipped, "cpu", "float32")
+    *_, trajectories = play(policy, cfg, "valid_seen", 2, envs.env_options(cfg), envs.load(envs.spec(cfg.env).prompt),
+                            False, False)
+    results, student = teacher_on_commands(policy, cfg, trajectories)
     assert set(results) == {"own", "shuffled", "annotator", "content-free"}
     steps = sum(results["content-free"][4][i] for i in (0, 2))
     assert steps > 0
