@@ -232,7 +232,6 @@ def analyze(policy, trajectories, max_prompt_tokens=1024, max_new_tokens=128, te
     return [skills.parse_skill(text, task=t.task) for text, t in zip(texts, trajectories)], texts
 
 
-
 # ------------------------------------------------------------ stage 1: hindsight-skill SFT
 
 def supervised_step(policy, optimizer, examples, max_batch_tokens=16384, grad_clip=1.0,
@@ -323,9 +322,8 @@ def rescore(policy, rows, temperature=1.0, layout="padded", max_batch_tokens=163
         responses = [rows.responses[i] for i in with_skill]
         scored = score(policy.model, prompts, responses, "re-score teacher")  # (b, r)
         teacher[with_skill, :scored.shape[1]] = scored
-    ref = None  # (B, R) under the reference model, for the KL term
-    if reference is not None:
-        ref = score(reference, rows.prompts, rows.responses, "re-score reference")
+    ref = None if reference is None else score(  # (B, R) under the reference model, for the KL term
+        reference, rows.prompts, rows.responses, "re-score reference")
     has_teacher = torch.tensor([text is not None for text in rows.teacher_prompts])  # (B,)
     return old, teacher, ref, has_teacher
 
@@ -370,12 +368,14 @@ def skip_reason(prompts, advantages, *logps):
 
 def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, teacher_logp=None,
                   ref_logp=None, has_teacher=None, loss_kwargs=None, temperature=1.0,
-                  layout="padded", max_batch_tokens=16384, grad_clip=1.0, desc="update", sync=None):
+                  layout="padded", max_batch_tokens=16384, grad_clip=1.0, desc="update", sync=None,
+                  extra_loss=None):
     """One optimizer step over all rows with gradient accumulation. advantages (B,); old, teacher,
     ref log-probs (B, R) (old None: this forward's own detached ones, exact on unchanged weights);
     has_teacher (B,): rows whose trajectory got a skill. Micro-batch losses are weighted to sum to
     the full-batch loss. sync (torchrun): normalises by every rank's tokens and sums gradients and
-    metrics over ranks. Returns (metrics, skipped reason or None)."""
+    metrics over ranks. extra_loss(): back-propagates one more term into this step and returns its
+    metrics (--teacher-anchor, training/analyzer.py). Returns (metrics, skipped reason or None)."""
     loss_kwargs = dict(loss_kwargs or {})
     model, device = policy.model, policy.device
     model.train()
@@ -395,9 +395,8 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
             logp, entropy = forward_logprobs(  # (b, r) each
                 model, [prompts[i] for i in batch], [responses[i] for i in batch], policy.pad_id,
                 temperature, layout, entropy=bool(loss_kwargs.get("entropy_coef", 0)))
-            taught = None  # (b, r): 1 on the tokens of rows whose trajectory got a skill
-            if has_teacher is not None:
-                taught = micro_mask * has_teacher[batch].to(device)[:, None]
+            taught = None if has_teacher is None else \
+                micro_mask * has_teacher[batch].to(device)[:, None]  # (b, r): 1 where a skill came
             old = logp.detach() if old_logp is None else pick(old_logp)  # same weights: ratio 1
             loss, metrics = L.seed_loss(logp, old, advantages[batch].to(device)[:, None],
                                         micro_mask, teacher_logp=pick(teacher_logp),
@@ -409,6 +408,8 @@ def policy_update(policy, optimizer, prompts, responses, advantages, old_logp, t
             (loss * weight).backward()
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value * float(weight)
+        if extra_loss is not None and skipped is None:  # its gradients join this step's
+            totals.update(extra_loss())
     if sync is not None:  # a skip still reaches here, so every torchrun rank skips together
         skipped = sync.gradients(model, totals, skipped)
     grad_norm = None if skipped else torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)

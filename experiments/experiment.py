@@ -40,7 +40,7 @@ from training.logs import read_records as read_jsonl  # noqa: E402  one JSONL re
 
 # the arms an experiment can run, each train.py's flags on top of the shared ones: SEED and GRPO, the paper's
 # objective (its gated OPD loss) and its three ablations (REFERENCE 1b), the shuffled-skill control, and the
-# analyzer-training candidates (training/analyzer.py); docs/experiments.md reports each
+# analyzer-training candidates and the teacher anchor (training/analyzer.py); docs/experiments.md reports each
 ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the paper's gated loss since version 9
         "seed-advantage": ["--distill-mode", "advantage", "--distill-coef", "0.1"],  # OPID's path, the default before
         "shuffled": ["--teacher-skill", "shuffled"],  # each teacher gets another task's skill
@@ -50,7 +50,9 @@ ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the 
         "analyzer-confirmed": ["--analyzer-training", "confirmed"],
         "analyzer-explored": ["--analyzer-training", "explored"],
         "analyzer-lift": ["--analyzer-training", "lift"],
-        "analyzer-anchor": ["--analyzer-training", "anchor"]}
+        "analyzer-anchor": ["--analyzer-training", "anchor"],
+        "teacher-anchor": ["--teacher-anchor", "1.0"],  # keeps the teacher's response to skills during RL
+        "teacher-effect-anchor": ["--teacher-anchor", "1.0", "--teacher-anchor-target", "effect"]}
 
 
 def analyzer_limits():

@@ -1,7 +1,8 @@
 """
 tests/test_self_analysis.py: the analyzer measured and trained -- the self-analysis probe (evaluation/
 self_analysis.py: a fixed probe set, cached; parse failures, fixing skills, skill lift), the fixes the annotators
-check (names_fix), the shuffled-skill ablation, --analyzer start, and --analyzer-training (training/analyzer.py).
+check (names_fix), the shuffled-skill ablation, --analyzer start, --analyzer-training and --teacher-anchor
+(training/analyzer.py).
 
     python -m pytest -q tests/test_self_analysis.py
 """
@@ -15,8 +16,9 @@ import seed
 import train
 from annotators.text_worlds import annotate, names_fix
 from evaluation import self_analysis
+from models.scoring import padded_logprobs, response_logprobs, response_mask
 from test_seed import FAILURES, TRAIN_FLAGS, fresh, read_lines, run_train
-from training.analyzer import ANALYZER_LR_SCALE, analyzer_examples, analyzer_step, trajectory_deltas
+from training.analyzer import ANALYZER_LR_SCALE, analyzer_examples, analyzer_step, teacher_anchor, trajectory_deltas
 
 
 def probe_config(**flags):
@@ -202,3 +204,70 @@ def test_the_analyzer_step_trains_at_its_own_rate_and_gives_the_optimizer_back(t
                           None, None, None)
     assert found["analyzer_examples"] > 0 and found["analyzer_loss"] == 0.5, found
     assert rates == [pytest.approx(1e-4 * ANALYZER_LR_SCALE)] and optimizer.param_groups[0]["lr"] == 1e-4, rates
+
+
+def test_the_teacher_anchor_is_the_k3_kl_to_the_start_model_on_the_teacher_tokens_and_pulls_back(tiny, trajectories):
+    """--teacher-anchor: zero (and no gradient) on the start model itself; on moved weights each call is its share's
+    token-mean k3 KL to the start model with the skill in context, the shares together the KL over every teacher
+    token (against a direct computation); a step down its gradient lowers it; past the last share, nothing. With
+    target "effect" it is the KL to the recorded log-probs plus the start's skill effect: ~0 for the start model."""
+    start, cfg = tiny[0], probe_config()
+    skill_list = ["Heat the apple with microwave 1 first.", None, "Cool it with fridge 1.", "Look around."]
+    rows = seed.step_rows(trajectories, skill_list)
+    taught = [i for i, text in enumerate(rows.teacher_prompts) if text is not None]
+    assert 0 < len(taught) < len(rows.prompts)  # the unparsed analysis gives its rows no teacher
+    policy = fresh(start)
+    teacher_anchor(1.0, policy, start, rows, 2, cfg)()
+    grads = [p.grad for p in policy.model.parameters() if p.grad is not None]
+    assert grads and max(float(g.abs().max()) for g in grads) < 1e-6  # the start model's KL is flat at 0
+    policy.model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        policy.model.lm_head.weight.add_(0.05 * torch.randn_like(policy.model.lm_head.weight,
+                                                                 generator=torch.Generator().manual_seed(0)))
+    anchor = teacher_anchor(1.0, policy, start, rows, 2, cfg)
+    shares = [anchor()["teacher_anchor_kl"], anchor()["teacher_anchor_kl"]]
+    assert anchor() == {"teacher_anchor_kl": 0.0}  # a third PPO step finds no share left
+    prompts = [seed.encode_chat(start.tokenizer, rows.teacher_prompts[i]) for i in taught]
+    responses = [rows.responses[i] for i in taught]
+    score = lambda model: response_logprobs(model, prompts, responses, start.pad_id)  # (b, R)
+    mask = response_mask(responses)
+    x = score(start.model) - score(policy.model)
+    direct = float(((x.exp() - x - 1) * mask).sum() / mask.sum())
+    order = __import__("random").Random(0).sample(range(len(prompts)), len(prompts))
+    tokens = [float(mask[order[part::2]].sum()) for part in range(2)]
+    combined = sum(kl * n for kl, n in zip(shares, tokens)) / sum(tokens)
+    print(f"\nteacher anchor KL {combined:.6f} vs direct {direct:.6f}: difference {abs(combined - direct):.2e}")
+    assert direct > 1e-4 and abs(combined - direct) < 1e-5
+    with torch.no_grad():  # one plain step down the two shares' summed gradients
+        for p in policy.model.parameters():
+            p.add_(-0.5 * p.grad if p.grad is not None else 0)
+    x = score(start.model) - score(policy.model)
+    assert float(((x.exp() - x - 1) * mask).sum() / mask.sum()) < direct
+    # target "effect": the recorded log-probs plus the start's skill effect; the start model's own KL to it is ~0
+    sampled = padded_logprobs([rows.sampled_logp[i] for i in taught])                                # (b, R)
+    student = lambda model: response_logprobs(model, [rows.prompts[i] for i in taught], responses, start.pad_id)
+    effect_target = sampled + score(start.model) - student(start.model)                              # (b, R)
+    for model, anchored in ((start, fresh(start)), (policy, policy)):
+        found = teacher_anchor(1.0, anchored, start, rows, 1, cfg, target="effect")()["teacher_anchor_kl"]
+        x = effect_target - score(model.model)
+        direct = float(((x.exp() - x - 1) * mask).sum() / mask.sum())
+        print(f"effect anchor KL {found:.6f} vs direct {direct:.6f}")
+        assert abs(found - direct) < 1e-5 and (direct < 1e-6) == (model is start)
+
+
+def test_the_teacher_anchor_trains_inside_the_ppo_steps_and_is_seed_only(tiny, tmp_path, monkeypatch, capsys):
+    """A run with --teacher-anchor logs the anchor's KL and takes the same optimizer steps as without it (its
+    gradients join the PPO steps); --algo grpo has no teacher to anchor: one error line."""
+    steps = []
+    step = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
+    flags = [*TRAIN_FLAGS, "--model", tiny[1], "--stage", "rl", "--updates", 1, "--mini-batches", 2]
+    run_train(*flags, "--out-dir", tmp_path / "plain")
+    plain, steps[:] = len(steps), []
+    run_train(*flags, "--teacher-anchor", 1.0, "--out-dir", tmp_path / "anchored")
+    (metrics,) = read_lines(tmp_path / "anchored" / "metrics.jsonl")
+    assert metrics["skipped"] is None and metrics["teacher_anchor_kl"] >= 0 and len(steps) == plain == 2, metrics
+    with pytest.raises(SystemExit):
+        train.get_config(["--algo", "grpo", "--teacher-anchor", "1.0"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--teacher-anchor" in errors[0], errors

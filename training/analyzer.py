@@ -19,15 +19,24 @@ experiments/analyzer_drift.py). Which analyses:
 At most --sft-batch-size examples a step, drawn at random; the step uses the update's optimizer at ANALYZER_LR_SCALE
 times its rate. The
 paper's code base has an optional loss on the analyzer's tokens too (REFERENCE 1b), off in its ALFWorld launcher.
+
+--teacher-anchor (beyond the paper, 0 = off) keeps the other half of self-analysis, the teacher's response to a
+skill, from eroding: RL trains only skill-free contexts, and after exp13's SEED runs the own skill's push against
+invalid commands (their log-prob change minus valid ones', -0.474 nats on the start model) was +0.248, +0.039 and
+-0.273 (docs/experiments.md). `teacher_anchor` adds a k3 KL on the sampled tokens with the skill in context, inside
+the PPO steps (their gradients add up, so no extra optimizer step moves the weights), to the frozen start model's
+teacher (--teacher-anchor-target start; exp14: it held the whole policy at the start, habit included) or to the
+current student plus the start model's skill effect (effect: only the response to the skill is held).
 """
 import random
 
 import torch
 
 import envs
+import loss as L
 import seed
 import skills
-from models.scoring import padded_logprobs, response_mask
+from models.scoring import forward_logprobs, micro_batches, padded_logprobs, response_logprobs, response_mask
 
 EXPLORE_SAMPLES = 2  # sampled analyses per failed trajectory for --analyzer-training explored
 # the analyzer's step runs at 3x the RL rate: offline, from the version-10 start model, 20 explored steps (measured
@@ -96,3 +105,47 @@ def analyzer_step(kind, policy, start, optimizer, cfg, trajectories, skill_list,
         for group, rate in zip(optimizer.param_groups, rates):
             group["lr"] = rate
     return {"analyzer_examples": len(examples), "analyzer_loss": loss}
+
+
+def teacher_anchor(coef, policy, start, rows, parts, cfg, seed_value=0, target="start"):
+    """seed.ppo_update's extra_loss for --teacher-anchor `coef`: the rows with a teacher, dealt at random into `parts`
+    shares (one per PPO step); each call back-propagates coef x the token-mean k3 KL of the policy, the skill in
+    context, to the target over the next share's sampled tokens (loss.seed_loss with zero advantages: only its KL
+    term), and returns {"teacher_anchor_kl": that share's KL}. target "start": the start model's teacher log-probs
+    (--teacher-anchor-target start); "effect": the log-probs recorded while sampling plus the start model's skill
+    effect (its teacher's minus its student's), so the teacher keeps the start's response to the skill wherever the
+    student has moved. Scored once, here."""
+    with_skill = [i for i, text in enumerate(rows.teacher_prompts) if text is not None]
+    prompts = [seed.encode_chat(policy.tokenizer, rows.teacher_prompts[i]) for i in with_skill]
+    responses = [rows.responses[i] for i in with_skill]
+    score = lambda prompt_list, desc: response_logprobs(start.model, prompt_list, responses, start.pad_id,
+                                                        cfg.temperature, cfg.layout, cfg.max_batch_tokens, desc)
+    start_logp = score(prompts, "anchor: start teacher")                                         # (b, R)
+    if target == "effect":  # the student as it is now, plus what the skill did to the start model
+        effect = start_logp - score([rows.prompts[i] for i in with_skill], "anchor: start student")  # (b, R)
+        start_logp = padded_logprobs([rows.sampled_logp[i] for i in with_skill]) + effect           # (b, R)
+    elif target != "start":
+        raise ValueError(f"unknown --teacher-anchor-target {target!r}")
+    order = random.Random(seed_value).sample(range(len(prompts)), len(prompts))
+    shares = iter([order[part::parts] for part in range(parts)])
+
+    def anchor_step():
+        share = next(shares, [])  # a share per call; past the last, nothing
+        mask = response_mask([responses[i] for i in share])                   # (s, R)
+        total, kl = mask.sum().clamp(min=1), 0.0
+        for batch in micro_batches([prompts[i] for i in share], [responses[i] for i in share],
+                                   cfg.max_batch_tokens):
+            picked = [share[j] for j in batch]
+            logp, _ = forward_logprobs(policy.model, [prompts[i] for i in picked],
+                                       [responses[i] for i in picked], policy.pad_id, cfg.temperature,
+                                       cfg.layout)                               # (b, r)
+            width = logp.shape[1]
+            micro_mask = mask[batch, :width].to(logp.device)                    # (b, r)
+            loss, metrics = L.seed_loss(logp, logp.detach(), torch.zeros(len(picked), device=logp.device),
+                                        micro_mask, ref_logp=start_logp[picked, :width].to(logp.device),
+                                        kl_coef=coef, distill_coef=0.0)
+            weight = float(micro_mask.sum() / total)  # micro-batch token means sum to the share's mean
+            (loss * weight).backward()
+            kl += metrics["kl"] * weight
+        return {"teacher_anchor_kl": kl}
+    return anchor_step

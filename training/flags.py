@@ -1,6 +1,6 @@
 """training/flags.py: train.py's plumbing flags (the method's are at the top of train.py), and every flag checked
 before any work starts -- one `error:` line for a value or a combination that would fail later or be silently
-ignored. `python training/flags.py` prints the flag table of docs/flags.md (a test keeps the two equal)."""
+ignored. docs/flags.md says how to print its flag table from here (a test keeps the two equal)."""
 import math
 import os
 import re
@@ -16,7 +16,7 @@ AT_LEAST_ONE = ("updates", "tasks_per_update", "group_size", "max_new_tokens", "
 AT_LEAST = {"warmup_analyzer_share": 0, "threads": 0, "history_window": 0, "sft_tasks": 1, "sft_rollouts": 1, "sft_epochs": 0, "sft_batch_size": 1, "warmup_steps": 0, "analysis_prompt_tokens": 1,
             "analysis_temperature": 0, "eval_temperature": 0, "weight_decay": 0, "kl_coef": 0, "entropy_coef": 0,
             "invalid_penalty": 0, "clip_low": 0, "clip_high": 0, "env_timeout": 0, "distill_coef": 0,
-            "train_tasks": 0}
+            "train_tasks": 0, "teacher_anchor": 0}
 ABOVE_ZERO = {"temperature": "the update re-scores the samples at this temperature", "grad_clip": "",
               "gate_beta": "", "sft_lr": "", "lr": ""}
 
@@ -55,6 +55,10 @@ def add_plumbing_flags(add, defaults, max_steps):
         "ground truth (the bound: a perfect analyzer)", choices=["own", "shuffled", "annotator"])
     add("--analyzer-training", "none", "beyond the paper: one SFT step per update on chosen analyses "
         "(training/analyzer.py)", choices=["none", "confirmed", "explored", "lift", "anchor"])
+    add("--teacher-anchor", 0.0, "beyond the paper: weight of a k3 KL to the start model on the sampled tokens "
+        "with the skill in context, so RL keeps the teacher's response to skills (training/analyzer.py)")
+    add("--teacher-anchor-target", "start", "what --teacher-anchor holds the teacher to: the start model's teacher, or "
+        "the current student plus the start model's skill effect (training/analyzer.py)", choices=["start", "effect"])
     # the update
     add("--dual-clip", 3.0, "dual-clip bound for negative advantages")
     add("--agg", "token-mean", "loss aggregation", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
@@ -164,6 +168,10 @@ def check_config(cfg, error, defaults):
     check_out_dir(cfg, error)
     if cfg.analyzer_training != "none" and cfg.algo == "grpo":
         error("--analyzer-training trains SEED's analyzer, which --algo grpo never uses")
+    if cfg.teacher_anchor > 0 and cfg.algo == "grpo":
+        error("--teacher-anchor anchors SEED's teacher, which --algo grpo has none of")
+    if cfg.teacher_anchor_target != "start" and cfg.teacher_anchor == 0:
+        error("--teacher-anchor-target chooses what --teacher-anchor holds the teacher to; set --teacher-anchor > 0")
     if cfg.teacher_skill != "own" and cfg.algo == "grpo":
         error(f"--teacher-skill {cfg.teacher_skill} changes SEED's teacher, which --algo grpo has none of")
     if cfg.stage == "sft" and cfg.algo == "grpo":
