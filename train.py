@@ -30,7 +30,7 @@ from evaluation.evaluate import evaluate
 from evaluation.self_analysis import probe_set, probe_set_path
 from models.policy import load_policy, parameter_groups, save_policy
 from training import checkpoints, distributed, locks, logs
-from training.analyzer import analyzer_step, teacher_anchor
+from training.analyzer import analyzer_step, centered_teacher, teacher_anchor
 from training.checkpoints import atomic_folder
 from training.flags import add_plumbing_flags, check_config, check_context_window
 
@@ -262,6 +262,8 @@ def main(cfg):
         _, teacher_logp, ref_logp, has_teacher = seed.rescore(
             policy, rows, cfg.temperature, cfg.layout, cfg.max_batch_tokens, reference,
             need_old=False)
+        if cfg.distill_center:  # beyond the paper, off: only the skill's relative verdict is distilled
+            teacher_logp = centered_teacher(rows, teacher_logp, has_teacher)  # (B, R)
         times["rescore"] = time.time() - t2
 
         # ---- advantage: GRPO per task group for every step row (delta joins inside the loss)

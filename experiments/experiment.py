@@ -52,7 +52,9 @@ ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the 
         "analyzer-lift": ["--analyzer-training", "lift"],
         "analyzer-anchor": ["--analyzer-training", "anchor"],
         "teacher-anchor": ["--teacher-anchor", "1.0"],  # keeps the teacher's response to skills during RL
-        "teacher-effect-anchor": ["--teacher-anchor", "1.0", "--teacher-anchor-target", "effect"]}
+        "teacher-effect-anchor": ["--teacher-anchor", "1.0", "--teacher-anchor-target", "effect"],
+        "centered": ["--distill-center"],  # only the skill's relative verdict is distilled
+        "centered-effect-anchor": ["--teacher-anchor", "1.0", "--teacher-anchor-target", "effect", "--distill-center"]}
 
 
 def analyzer_limits():

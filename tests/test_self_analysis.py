@@ -18,7 +18,8 @@ from annotators.text_worlds import annotate, names_fix
 from evaluation import self_analysis
 from models.scoring import padded_logprobs, response_logprobs, response_mask
 from test_seed import FAILURES, TRAIN_FLAGS, fresh, read_lines, run_train
-from training.analyzer import ANALYZER_LR_SCALE, analyzer_examples, analyzer_step, teacher_anchor, trajectory_deltas
+from training.analyzer import (ANALYZER_LR_SCALE, analyzer_examples, analyzer_step, centered_teacher, teacher_anchor,
+                               token_deltas, trajectory_deltas)
 
 
 def probe_config(**flags):
@@ -271,3 +272,35 @@ def test_the_teacher_anchor_trains_inside_the_ppo_steps_and_is_seed_only(tiny, t
         train.get_config(["--algo", "grpo", "--teacher-anchor", "1.0"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "--teacher-anchor" in errors[0], errors
+
+
+def test_distill_center_zeroes_the_updates_mean_delta_and_keeps_every_difference(tiny, trajectories, tmp_path, capsys):
+    """--distill-center: after the shift delta averages 0 over the teacher tokens and every token keeps its delta
+    relative to the others (one constant moved); a run logs a mean delta of ~0 where the plain run's is not;
+    --algo grpo has no teacher to shift: one error line."""
+    policy = fresh(tiny[0])
+    rows = seed.step_rows(trajectories, ["Heat the apple with microwave 1 first.", None, "Cool it.", "Look around."])
+    _, teacher, _, has_teacher = seed.rescore(policy, rows, need_old=False)
+    before, mask = token_deltas(rows, teacher, has_teacher)                       # (B, R) each
+    after, _ = token_deltas(rows, centered_teacher(rows, teacher, has_teacher), has_teacher)
+    shift = (after - before)[mask.bool()]
+    with capsys.disabled():
+        print(f"\nmean delta {float(before.sum() / mask.sum()):+.6f} -> {float(after.sum() / mask.sum()):+.2e}; "
+              f"spread of the shift {float(shift.max() - shift.min()):.2e}")
+    assert abs(float(before.sum() / mask.sum())) > 1e-4 and abs(float(after.sum() / mask.sum())) < 1e-6
+    assert float(shift.max() - shift.min()) < 1e-5 and bool((after[~mask.bool()] == 0).all())
+    flags = [*TRAIN_FLAGS, "--model", tiny[1], "--stage", "rl", "--updates", 1, "--mini-batches", 1,
+             "--teacher-skill", "annotator"]  # the untrained analyzer's skills seldom parse; the annotator's do
+    means = {}
+    for name, extra in (("plain", []), ("centered", ["--distill-center"])):
+        run_train(*flags, *extra, "--out-dir", tmp_path / name)
+        (metrics,) = read_lines(tmp_path / name / "metrics.jsonl")
+        means[name] = metrics["delta_mean"]
+    with capsys.disabled():
+        print(f"logged delta_mean: plain {means['plain']:+.6f}, centered {means['centered']:+.2e}")
+    assert abs(means["plain"]) > 1e-4 and abs(means["centered"]) < 1e-5, means
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.get_config(["--algo", "grpo", "--distill-center"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--distill-center" in errors[0], errors

@@ -27,6 +27,8 @@ invalid commands (their log-prob change minus valid ones', -0.474 nats on the st
 the PPO steps (their gradients add up, so no extra optimizer step moves the weights), to the frozen start model's
 teacher (--teacher-anchor-target start; exp14: it held the whole policy at the start, habit included) or to the
 current student plus the start model's skill effect (effect: only the response to the skill is held).
+--distill-center (beyond the paper, off) subtracts the update's mean delta, so only the skill's relative verdict on
+the sampled tokens is distilled (`centered_teacher`).
 """
 import random
 
@@ -46,18 +48,32 @@ EXPLORE_SAMPLES = 2  # sampled analyses per failed trajectory for --analyzer-tra
 ANALYZER_LR_SCALE = 3.0
 
 
-def trajectory_deltas(rows, teacher_logp, has_teacher):
-    """Mean delta (teacher minus the log-probs recorded while sampling) over each trajectory's sampled tokens
-    that had a teacher -> {trajectory index: mean delta}."""
+def token_deltas(rows, teacher_logp, has_teacher):
+    """delta (teacher minus the log-probs recorded while sampling) on the sampled tokens that had a teacher, and
+    that mask -> ((B, R), (B, R)); 0 off the mask."""
     sampled = padded_logprobs(rows.sampled_logp)                                  # (B, R)
     width = min(sampled.shape[1], teacher_logp.shape[1])
     mask = response_mask(rows.responses)[:, :width] * has_teacher[:, None]        # (B, R)
-    delta = (teacher_logp[:, :width] - sampled[:, :width]) * mask                 # (B, R)
+    return (teacher_logp[:, :width] - sampled[:, :width]) * mask, mask
+
+
+def trajectory_deltas(rows, teacher_logp, has_teacher):
+    """Mean delta over each trajectory's sampled tokens that had a teacher -> {trajectory index: mean delta}."""
+    delta, mask = token_deltas(rows, teacher_logp, has_teacher)                   # (B, R) each
     found = {}
     for row, index in enumerate(rows.trajectory):
         total, count = found.get(index, (0.0, 0.0))
         found[index] = (total + float(delta[row].sum()), count + float(mask[row].sum()))
     return {index: total / count for index, (total, count) in found.items() if count > 0}
+
+
+def centered_teacher(rows, teacher_logp, has_teacher):
+    """--distill-center: the teacher's log-probs shifted by one number so that delta averages 0 over the update's
+    teacher tokens -> (B, R). A skill that lowers every command (the start model's own skill: -0.673 nats on an
+    invalid command, -0.199 on a valid one) then pushes down only the commands it lowers more than average and
+    the rest up, instead of making the student less sure of everything (exp16)."""
+    delta, mask = token_deltas(rows, teacher_logp, has_teacher)                   # (B, R) each
+    return teacher_logp - delta.sum() / mask.sum().clamp(min=1)
 
 
 def analyzer_examples(kind, policy, start, cfg, trajectories, skill_list, texts, rows, teacher_logp,

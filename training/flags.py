@@ -59,6 +59,9 @@ def add_plumbing_flags(add, defaults, max_steps):
         "with the skill in context, so RL keeps the teacher's response to skills (training/analyzer.py)")
     add("--teacher-anchor-target", "start", "what --teacher-anchor holds the teacher to: the start model's teacher, or "
         "the current student plus the start model's skill effect (training/analyzer.py)", choices=["start", "effect"])
+    add("--distill-center", False, "beyond the paper: shift the teacher's log-probs so delta averages 0 over each "
+        "update's teacher tokens; only the skill's relative verdict is distilled (training/analyzer.py)",
+        action="store_true")
     # the update
     add("--dual-clip", 3.0, "dual-clip bound for negative advantages")
     add("--agg", "token-mean", "loss aggregation", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
@@ -170,6 +173,8 @@ def check_config(cfg, error, defaults):
         error("--analyzer-training trains SEED's analyzer, which --algo grpo never uses")
     if cfg.teacher_anchor > 0 and cfg.algo == "grpo":
         error("--teacher-anchor anchors SEED's teacher, which --algo grpo has none of")
+    if cfg.distill_center and cfg.algo == "grpo":
+        error("--distill-center shifts SEED's teacher, which --algo grpo has none of")
     if cfg.teacher_anchor_target != "start" and cfg.teacher_anchor == 0:
         error("--teacher-anchor-target chooses what --teacher-anchor holds the teacher to; set --teacher-anchor > 0")
     if cfg.teacher_skill != "own" and cfg.algo == "grpo":
