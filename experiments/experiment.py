@@ -54,6 +54,7 @@ ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the 
         "teacher-anchor": ["--teacher-anchor", "1.0"],  # keeps the teacher's response to skills during RL
         "teacher-effect-anchor": ["--teacher-anchor", "1.0", "--teacher-anchor-target", "effect"],
         "centered": ["--distill-center"],  # only the skill's relative verdict is distilled
+        "centered-shuffled": ["--distill-center", "--teacher-skill", "shuffled"],  # its control
         "centered-effect-anchor": ["--teacher-anchor", "1.0", "--teacher-anchor-target", "effect", "--distill-center"]}
 
 
