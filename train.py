@@ -274,7 +274,7 @@ def main(cfg):
         t3 = time.time()
         mini_batches = distributed.fewest(cfg.mini_batches, len(rows.prompts), world, policy.device)
         anchor = teacher_anchor(cfg.teacher_anchor, policy, start, rows, mini_batches, cfg, stream,
-                                cfg.teacher_anchor_target) if cfg.teacher_anchor > 0 else None  # off
+                                cfg.teacher_anchor_target, ref_logp) if cfg.teacher_anchor > 0 else None  # off
         metrics, skipped = seed.ppo_update(
             policy, optimizer, rows, advantages, teacher_logp if cfg.algo == "seed" else None,
             ref_logp, has_teacher, mini_batches, loss_kwargs=loss_kwargs,

@@ -254,6 +254,10 @@ def test_the_teacher_anchor_is_the_k3_kl_to_the_start_model_on_the_teacher_token
         direct = float(((x.exp() - x - 1) * mask).sum() / mask.sum())
         print(f"effect anchor KL {found:.6f} vs direct {direct:.6f}")
         assert abs(found - direct) < 1e-5 and (direct < 1e-6) == (model is start)
+    _, _, ref_logp, _ = seed.rescore(start, rows, reference=start.model, need_old=False)  # what training passes
+    reused = teacher_anchor(1.0, policy, start, rows, 1, cfg, target="effect", ref_logp=ref_logp)()
+    print(f"effect anchor KL with re-scoring's reference log-probs {reused['teacher_anchor_kl']:.6f}")
+    assert abs(reused["teacher_anchor_kl"] - direct) < 1e-5
 
 
 def test_the_teacher_anchor_trains_inside_the_ppo_steps_and_is_seed_only(tiny, tmp_path, monkeypatch, capsys):

@@ -123,14 +123,15 @@ def analyzer_step(kind, policy, start, optimizer, cfg, trajectories, skill_list,
     return {"analyzer_examples": len(examples), "analyzer_loss": loss}
 
 
-def teacher_anchor(coef, policy, start, rows, parts, cfg, seed_value=0, target="start"):
+def teacher_anchor(coef, policy, start, rows, parts, cfg, seed_value=0, target="start", ref_logp=None):
     """seed.ppo_update's extra_loss for --teacher-anchor `coef`: the rows with a teacher, dealt at random into `parts`
     shares (one per PPO step); each call back-propagates coef x the token-mean k3 KL of the policy, the skill in
     context, to the target over the next share's sampled tokens (loss.seed_loss with zero advantages: only its KL
     term), and returns {"teacher_anchor_kl": that share's KL}. target "start": the start model's teacher log-probs
     (--teacher-anchor-target start); "effect": the log-probs recorded while sampling plus the start model's skill
     effect (its teacher's minus its student's), so the teacher keeps the start's response to the skill wherever the
-    student has moved. Scored once, here."""
+    student has moved. Scored once, here; ref_logp (B, R), the start model's skill-free log-probs that re-scoring
+    made for the KL term, spares "effect" a second pass over the same rows."""
     with_skill = [i for i, text in enumerate(rows.teacher_prompts) if text is not None]
     prompts = [seed.encode_chat(policy.tokenizer, rows.teacher_prompts[i]) for i in with_skill]
     responses = [rows.responses[i] for i in with_skill]
@@ -138,7 +139,9 @@ def teacher_anchor(coef, policy, start, rows, parts, cfg, seed_value=0, target="
                                                         cfg.temperature, cfg.layout, cfg.max_batch_tokens, desc)
     start_logp = score(prompts, "anchor: start teacher")                                         # (b, R)
     if target == "effect":  # the student as it is now, plus what the skill did to the start model
-        effect = start_logp - score([rows.prompts[i] for i in with_skill], "anchor: start student")  # (b, R)
+        student = score([rows.prompts[i] for i in with_skill], "anchor: start student") if ref_logp is None \
+            else ref_logp[with_skill, :start_logp.shape[1]].cpu()                                   # (b, R)
+        effect = start_logp - student                                                               # (b, R)
         start_logp = padded_logprobs([rows.sampled_logp[i] for i in with_skill]) + effect           # (b, R)
     elif target != "start":
         raise ValueError(f"unknown --teacher-anchor-target {target!r}")
