@@ -4,6 +4,7 @@ planted habit, and how much by not issuing invalid commands? An answer to issue 
 
     python experiments/success_bound.py out/exp12/seed-6 out/exp12/grpo-6   # start model + each run's last checkpoint
     python experiments/success_bound.py out/exp11/seed-6 --tasks 48 --split valid_seen
+    python experiments/success_bound.py out/exp21/seed-9 out/exp21/grpo-9 --lift-only  # only the skill lift's bound
 
 Each model plays the split's first --tasks tasks greedily (the evaluation's protocol) four times, with an env that
 corrects it at one kind of step and otherwise plays what the policy wrote:
@@ -28,6 +29,13 @@ commands that repeat the step before (the greedy loops), and on valid ones, the 
 more the skill argues against an invalid command than against a valid one) and the share of invalid commands the
 teacher makes less likely; above them, the student's own mean log-prob of each kind (no skill). A teacher that can
 break the loops lowers the invalid rows well below the valid ones.
+
+Last, what bounds the self-analysis probe's skill lift (evaluation/self_analysis.py)? Each model plays the probe's
+tasks (the start model's probe set) greedily with no skill, with its own greedy analysis of each probe trajectory,
+with another task's (shuffled, as the probe does), with the annotator's and with another task's annotator skill.
+Printed: success on the probe's first LIFT_TASKS tasks (those the probe plays) and on all PROBE_TASKS, and the lifts
+own - shuffled (the probe's skill lift) and annotator - annotator shuffled (what a perfect analyzer's skills would
+give this policy: the lift's ceiling).
 Greedy on the tiny model; the last digit can move with the thread count. Not in the paper (its benchmarks plant no
 habit).
 """
@@ -44,6 +52,7 @@ import train  # noqa: E402
 from experiments.analyzer_drift import run_config  # noqa: E402
 from models.policy import load_policy  # noqa: E402
 from simulators.household import TRANSFORMS, kind_of  # noqa: E402
+from evaluation.self_analysis import LIFT_TASKS, PROBE_TASKS, probe_set, probe_set_path, shuffled  # noqa: E402
 from training.checkpoints import intact_checkpoints  # noqa: E402
 from warmup.warm_start import GENERIC_SKILLS  # noqa: E402
 
@@ -134,6 +143,42 @@ def teacher_on_commands(policy, cfg, trajectories):
     return results, student
 
 
+def bound_and_teacher(policy, cfg, args, options, template, name):
+    """The first table's row (success under each correction) and the second table's lines for one model."""
+    cells, reached = [], 0.0
+    for fix_habit, fix_invalid in CONDITIONS.values():
+        success, substitutions, decision, trajectories = play(policy, cfg, args.split, args.tasks, options, template,
+                                                              fix_habit, fix_invalid)
+        cells.append(f"{success:.3f} ({substitutions:4.2f})")
+        if not (fix_habit or fix_invalid):  # as played: the episodes the teacher re-scores
+            reached, played = decision, trajectories
+    results, student = teacher_on_commands(policy, cfg, played)
+    lines = [f"{name:<30} {'(no skill)':<13} {student[0]:7.3f} {'':6} {student[1]:9.3f} {'':6} "
+             f"{student[2]:7.3f}  <- the student's own log-prob"]
+    lines += [f"{name:<30} {source:<13} {invalid:+7.3f} ({counts[0]:4d}) {repeated:+9.3f} ({counts[1]:4d}) "
+              f"{valid:+7.3f} ({counts[2]:4d}) {invalid - valid:>+16.3f} {lowered:>16.3f}"
+              for source, (invalid, repeated, valid, lowered, counts) in results.items()]
+    return f"{name:<30} " + " ".join(f"{cell:>20}" for cell in cells) + f" {reached:>9.3f}", lines
+
+
+def lift_bound(policy, cfg, probe, options, template):
+    """The probe trajectories -> {skill source: [won, per probe task]}, greedy, each task with that source's skill
+    (none, own, own shuffled, annotator, annotator shuffled) in the prompt, as the probe plays its lift tasks."""
+    own, _ = seed.analyze(policy, probe, cfg.analysis_prompt_tokens, cfg.analysis_max_new_tokens, 0.0)
+    annotate = envs.load(envs.spec(cfg.env).annotator)
+    annotator = [annotate(t, t.gt)[1] for t in probe]
+    sources = {"none": [None] * len(probe), "own": own, "own shuffled": shuffled(own), "annotator": annotator,
+               "annotator shuffled": shuffled(annotator)}
+    won = {}
+    for name, skill_list in sources.items():
+        env_list = [envs.make_env(cfg.env, "valid_seen", i, **options) for i in range(len(probe))]
+        played = seed.rollout(policy, env_list, [t.seed for t in probe], 1, cfg.max_steps, template,
+                              cfg.max_new_tokens, 0.0, cfg.history_window, cfg.invalid_penalty, cfg.max_prompt_tokens,
+                              desc=f"probe tasks, {name}", skill_per_rollout=skill_list)
+        won[name] = [float(t.won) for t in played]
+    return won
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,6 +187,7 @@ def main():
     parser.add_argument("--split", default="valid_seen", help="split played (default: valid_seen)")
     parser.add_argument("--tasks", type=int, default=48, help="tasks played, 0..N-1 (default: 48)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
+    parser.add_argument("--lift-only", action="store_true", help="only the last table, the skill lift's bound")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = run_config(args.runs[0])
@@ -152,31 +198,49 @@ def main():
     models = [("start", train.start_model(cfg, options))]
     models += [(f"{os.path.basename(os.path.normpath(run))} {os.path.basename(intact_checkpoints(run)[-1])}",
                 intact_checkpoints(run)[-1]) for run in args.runs if intact_checkpoints(run)]
-    print(f"greedy {args.split} success on tasks 0-{args.tasks - 1} (substitutions per episode); "
-          f"'decision' = share of episodes that took the goal object still needing its step")
-    print(f"{'model':<30} " + " ".join(f"{name:>20}" for name in CONDITIONS) + f" {'decision':>9}")
-    teacher_lines = []  # the second table, printed after the first
+    if not args.lift_only:
+        print(f"greedy {args.split} success on tasks 0-{args.tasks - 1} (substitutions per episode); "
+              f"'decision' = share of episodes that took the goal object still needing its step")
+        print(f"{'model':<30} " + " ".join(f"{name:>20}" for name in CONDITIONS) + f" {'decision':>9}")
+    teacher_lines, lift_lines = [], []  # the second and third tables, printed after the first
+    probe = probe_set(load_policy(models[0][1], "cpu", "float32"), cfg, template, options,
+                      probe_set_path(models[0][1], cfg))
     for name, path in models:
         policy = load_policy(path, "cpu", "float32")
-        cells, reached = [], 0.0
-        for fix_habit, fix_invalid in CONDITIONS.values():
-            success, substitutions, decision, trajectories = play(policy, cfg, args.split, args.tasks, options,
-                                                                  template, fix_habit, fix_invalid)
-            cells.append(f"{success:.3f} ({substitutions:4.2f})")
-            if not (fix_habit or fix_invalid):  # as played: the episodes the teacher re-scores
-                reached, played = decision, trajectories
-        print(f"{name:<30} " + " ".join(f"{cell:>20}" for cell in cells) + f" {reached:>9.3f}", flush=True)
-        results, student = teacher_on_commands(policy, cfg, played)
-        teacher_lines.append(f"{name:<30} {'(no skill)':<13} {student[0]:7.3f} {'':6} {student[1]:9.3f} {'':6} "
-                             f"{student[2]:7.3f}  <- the student's own log-prob")
-        teacher_lines += [f"{name:<30} {source:<13} {invalid:+7.3f} ({counts[0]:4d}) {repeated:+9.3f} ({counts[1]:4d}) "
-                          f"{valid:+7.3f} ({counts[2]:4d}) {invalid - valid:>+16.3f} {lowered:>16.3f}"
-                          for source, (invalid, repeated, valid, lowered, counts) in results.items()]
+        if not args.lift_only:
+            row, lines = bound_and_teacher(policy, cfg, args, options, template, name)
+            print(row, flush=True)
+            teacher_lines += lines
+        lift_lines.append(lift_row(name, lift_bound(policy, cfg, probe, options, template)))
+    if args.lift_only:
+        return print_lift(lift_lines)
     print(f"\nthe teacher on the policy's own commands, greedy {args.split} episodes: mean log-prob change with the "
           f"skill in the context (nats per command; count)")
     print(f"{'model':<30} {'skill':<13} {'invalid':>14} {'repeated invalid':>17} {'valid':>14} "
           f"{'invalid - valid':>16} {'invalid lowered':>16}")
     print("\n".join(teacher_lines))
+    print_lift(lift_lines)
+
+
+def lift_row(name, won):
+    """One model's row of the last table: success with each skill source on the lift tasks / all probe tasks, then
+    the own and the perfect analyzer's lifts, each on the lift tasks / all."""
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    lift = lambda a, b, n: mean([x - y for x, y in zip(won[a][:n], won[b][:n])])  # noqa: E731
+    return (f"{name:<30} " + " ".join(f"{mean(w[:LIFT_TASKS]):.3f}/{mean(w):.3f}".rjust(19) for w in won.values())
+            + f" {lift('own', 'own shuffled', LIFT_TASKS):+.3f}/{lift('own', 'own shuffled', None):+.3f}"
+            + f" {lift('annotator', 'annotator shuffled', LIFT_TASKS):+.3f}/"
+            + f"{lift('annotator', 'annotator shuffled', None):+.3f}")
+
+
+def print_lift(lift_lines):
+    """The last table: the skill lift's bound."""
+    print(f"\nthe probe's tasks played greedily with a skill in the prompt: success on the first {LIFT_TASKS} (the "
+          f"probe's lift tasks) / all {PROBE_TASKS}; lifts own - own shuffled (the probe's) and annotator - annotator "
+          f"shuffled (a perfect analyzer's)")
+    print(f"{'model':<30} " + " ".join(f"{name:>19}" for name in ("none", "own", "own shuffled", "annotator",
+                                                                  "annotator shuffled")) + "  own lift  perfect lift")
+    print("\n".join(lift_lines))
 
 
 if __name__ == "__main__":

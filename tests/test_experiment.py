@@ -211,3 +211,23 @@ def test_teacher_on_commands_tallies_every_command_once(shipped):
         assert 0.0 <= lowered <= 1.0 and all(abs(x) < 50 for x in (invalid, repeated, valid)), (name, results[name])
     assert results["content-free"][2] != 0.0 or results["content-free"][0] != 0.0  # a skill block moves log-probs
     assert all(value <= 0.0 for value in student) and min(student) < 0.0, student  # log-probs of sampled commands
+
+
+def test_lift_bound_plays_each_probe_task_once_per_skill_source(shipped):
+    """success_bound.lift_bound on the shipped model and 3 probe trajectories: one outcome per task and source, and
+    the skill-free play is the evaluation's own greedy play of those tasks (play, as played)."""
+    import envs
+    from evaluation.self_analysis import read_probe_set
+    from experiments.success_bound import lift_bound, play
+    from models.policy import load_policy
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    cfg = train.get_config([], check=False)
+    options, template = envs.env_options(cfg), envs.load(envs.spec(cfg.env).prompt)
+    policy = load_policy(shipped, "cpu", "float32")
+    probe = read_probe_set(os.path.join(shipped, "probe_set.json"), cfg.env)[:3]
+    won = lift_bound(policy, cfg, probe, options, template)
+    assert list(won) == ["none", "own", "own shuffled", "annotator", "annotator shuffled"]
+    assert all(len(w) == 3 and set(w) <= {0.0, 1.0} for w in won.values()), won
+    *_, trajectories = play(policy, cfg, "valid_seen", 3, options, template, False, False)
+    assert won["none"] == [float(t.won) for t in trajectories]
