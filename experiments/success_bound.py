@@ -5,6 +5,7 @@ planted habit, and how much by not issuing invalid commands? An answer to issue 
     python experiments/success_bound.py out/exp12/seed-6 out/exp12/grpo-6   # start model + each run's last checkpoint
     python experiments/success_bound.py out/exp11/seed-6 --tasks 48 --split valid_seen
     python experiments/success_bound.py out/exp21/seed-9 out/exp21/grpo-9 --lift-only  # only the skill lift's bound
+    python experiments/success_bound.py out/exp21/seed-9 --lift-only --lift-temperature 0.4 --lift-samples 8
 
 Each model plays the split's first --tasks tasks greedily (the evaluation's protocol) four times, with an env that
 corrects it at one kind of step and otherwise plays what the policy wrote:
@@ -31,11 +32,12 @@ teacher makes less likely; above them, the student's own mean log-prob of each k
 break the loops lowers the invalid rows well below the valid ones.
 
 Last, what bounds the self-analysis probe's skill lift (evaluation/self_analysis.py)? Each model plays the probe's
-tasks (the start model's probe set) greedily with no skill, with its own greedy analysis of each probe trajectory,
-with another task's (shuffled, as the probe does), with the annotator's and with another task's annotator skill.
-Printed: success on the probe's first LIFT_TASKS tasks (those the probe plays) and on all PROBE_TASKS, and the lifts
-own - shuffled (the probe's skill lift) and annotator - annotator shuffled (what a perfect analyzer's skills would
-give this policy: the lift's ceiling).
+tasks (the start model's probe set) greedily, as the probe does (or --lift-samples times at --lift-temperature),
+with no skill, with its own greedy analysis of each probe trajectory, with another task's (shuffled, as the probe
+does), with the annotator's and with another task's annotator skill. Printed: success on the probe's first
+LIFT_TASKS tasks (those the probe plays) and on all PROBE_TASKS, and the lifts own - shuffled (the probe's skill
+lift) and annotator - annotator shuffled (what a perfect analyzer's skills would give this policy: the lift's
+ceiling).
 Greedy on the tiny model; the last digit can move with the thread count. Not in the paper (its benchmarks plant no
 habit).
 """
@@ -161,9 +163,10 @@ def bound_and_teacher(policy, cfg, args, options, template, name):
     return f"{name:<30} " + " ".join(f"{cell:>20}" for cell in cells) + f" {reached:>9.3f}", lines
 
 
-def lift_bound(policy, cfg, probe, options, template):
-    """The probe trajectories -> {skill source: [won, per probe task]}, greedy, each task with that source's skill
-    (none, own, own shuffled, annotator, annotator shuffled) in the prompt, as the probe plays its lift tasks."""
+def lift_bound(policy, cfg, probe, options, template, temperature=0.0, samples=1):
+    """The probe trajectories -> {skill source: [success, per probe task]}, each task played `samples` times at
+    `temperature` (greedy once: the probe's protocol) with that source's skill (none, own, own shuffled, annotator,
+    annotator shuffled) in the prompt, as the probe plays its lift tasks."""
     own, _ = seed.analyze(policy, probe, cfg.analysis_prompt_tokens, cfg.analysis_max_new_tokens, 0.0)
     annotate = envs.load(envs.spec(cfg.env).annotator)
     annotator = [annotate(t, t.gt)[1] for t in probe]
@@ -171,11 +174,14 @@ def lift_bound(policy, cfg, probe, options, template):
                "annotator shuffled": shuffled(annotator)}
     won = {}
     for name, skill_list in sources.items():
-        env_list = [envs.make_env(cfg.env, "valid_seen", i, **options) for i in range(len(probe))]
-        played = seed.rollout(policy, env_list, [t.seed for t in probe], 1, cfg.max_steps, template,
-                              cfg.max_new_tokens, 0.0, cfg.history_window, cfg.invalid_penalty, cfg.max_prompt_tokens,
-                              desc=f"probe tasks, {name}", skill_per_rollout=skill_list)
-        won[name] = [float(t.won) for t in played]
+        env_list = [envs.make_env(cfg.env, "valid_seen", i, **options) for i in range(len(probe) * samples)]
+        played = seed.rollout(policy, env_list, [t.seed for t in probe], samples, cfg.max_steps, template,
+                              cfg.max_new_tokens, temperature, cfg.history_window, cfg.invalid_penalty,
+                              cfg.max_prompt_tokens, desc=f"probe tasks, {name}",
+                              skill_per_rollout=[skill for skill in skill_list for _ in range(samples)],
+                              generator=torch.Generator().manual_seed(0))
+        won[name] = [sum(float(t.won) for t in played[i * samples:(i + 1) * samples]) / samples
+                     for i in range(len(probe))]
     return won
 
 
@@ -188,6 +194,9 @@ def main():
     parser.add_argument("--tasks", type=int, default=48, help="tasks played, 0..N-1 (default: 48)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     parser.add_argument("--lift-only", action="store_true", help="only the last table, the skill lift's bound")
+    parser.add_argument("--lift-temperature", type=float, default=0.0, help="the last table's sampling temperature "
+                                                                            "(default: 0, greedy as the probe)")
+    parser.add_argument("--lift-samples", type=int, default=1, help="the last table's episodes per task (default: 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cfg = run_config(args.runs[0])
@@ -211,7 +220,8 @@ def main():
             row, lines = bound_and_teacher(policy, cfg, args, options, template, name)
             print(row, flush=True)
             teacher_lines += lines
-        lift_lines.append(lift_row(name, lift_bound(policy, cfg, probe, options, template)))
+        lift_lines.append(lift_row(name, lift_bound(policy, cfg, probe, options, template,
+                                                        args.lift_temperature, args.lift_samples)))
     if args.lift_only:
         return print_lift(lift_lines)
     print(f"\nthe teacher on the policy's own commands, greedy {args.split} episodes: mean log-prob change with the "
@@ -235,7 +245,7 @@ def lift_row(name, won):
 
 def print_lift(lift_lines):
     """The last table: the skill lift's bound."""
-    print(f"\nthe probe's tasks played greedily with a skill in the prompt: success on the first {LIFT_TASKS} (the "
+    print(f"\nthe probe's tasks played with a skill in the prompt: success on the first {LIFT_TASKS} (the "
           f"probe's lift tasks) / all {PROBE_TASKS}; lifts own - own shuffled (the probe's) and annotator - annotator "
           f"shuffled (a perfect analyzer's)")
     print(f"{'model':<30} " + " ".join(f"{name:>19}" for name in ("none", "own", "own shuffled", "annotator",

@@ -215,7 +215,8 @@ def test_teacher_on_commands_tallies_every_command_once(shipped):
 
 def test_lift_bound_plays_each_probe_task_once_per_skill_source(shipped):
     """success_bound.lift_bound on the shipped model and 3 probe trajectories: one outcome per task and source, and
-    the skill-free play is the evaluation's own greedy play of those tasks (play, as played)."""
+    the skill-free play is the evaluation's own greedy play of those tasks (play, as played); sampled twice, a task's
+    success is a mean of two outcomes."""
     import envs
     from evaluation.self_analysis import read_probe_set
     from experiments.success_bound import lift_bound, play
@@ -231,3 +232,5 @@ def test_lift_bound_plays_each_probe_task_once_per_skill_source(shipped):
     assert all(len(w) == 3 and set(w) <= {0.0, 1.0} for w in won.values()), won
     *_, trajectories = play(policy, cfg, "valid_seen", 3, options, template, False, False)
     assert won["none"] == [float(t.won) for t in trajectories]
+    sampled = lift_bound(policy, cfg, probe[:2], options, template, temperature=1.0, samples=2)
+    assert all(len(w) == 2 and set(w) <= {0.0, 0.5, 1.0} for w in sampled.values()), sampled
