@@ -33,11 +33,11 @@ break the loops lowers the invalid rows well below the valid ones.
 
 Last, what bounds the self-analysis probe's skill lift (evaluation/self_analysis.py)? Each model plays the probe's
 tasks (the start model's probe set) greedily, as the probe does (or --lift-samples times at --lift-temperature),
-with no skill, with its own greedy analysis of each probe trajectory, with another task's (shuffled, as the probe
-does), with the annotator's and with another task's annotator skill. Printed: success on the probe's first
-LIFT_TASKS tasks (those the probe plays) and on all PROBE_TASKS, and the lifts own - shuffled (the probe's skill
-lift) and annotator - annotator shuffled (what a perfect analyzer's skills would give this policy: the lift's
-ceiling).
+with no skill, with its own greedy analysis of each probe trajectory, with the next probe task's (cyclically over
+all PROBE_TASKS; the probe cycles over its LIFT_TASKS, so only the last lift task's differs), with the annotator's
+and with the next task's annotator skill. Printed: success on the probe's first LIFT_TASKS tasks (those the probe
+plays) and on all PROBE_TASKS, and the lifts own - shuffled (the probe's skill lift) and annotator - annotator
+shuffled (what a perfect analyzer's skills would give this policy: the lift's ceiling).
 Greedy on the tiny model; the last digit can move with the thread count. Not in the paper (its benchmarks plant no
 habit).
 """
@@ -51,10 +51,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import envs  # noqa: E402
 import seed  # noqa: E402
 import train  # noqa: E402
+from evaluation.self_analysis import LIFT_TASKS, PROBE_TASKS, probe_set, probe_set_path, shuffled  # noqa: E402
 from experiments.analyzer_drift import run_config  # noqa: E402
 from models.policy import load_policy  # noqa: E402
 from simulators.household import TRANSFORMS, kind_of  # noqa: E402
-from evaluation.self_analysis import LIFT_TASKS, PROBE_TASKS, probe_set, probe_set_path, shuffled  # noqa: E402
 from training.checkpoints import intact_checkpoints  # noqa: E402
 from warmup.warm_start import GENERIC_SKILLS  # noqa: E402
 
