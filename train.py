@@ -30,7 +30,7 @@ from evaluation.evaluate import evaluate
 from evaluation.self_analysis import probe_set, probe_set_path
 from models.policy import load_policy, parameter_groups, save_policy
 from training import checkpoints, distributed, locks, logs
-from training.analyzer import analyzer_step, centered_teacher, teacher_anchor
+from training.analyzer import analyzer_step, centered_teacher, teacher_terms
 from training.checkpoints import atomic_folder
 from training.flags import add_plumbing_flags, check_config, check_context_window
 
@@ -273,14 +273,13 @@ def main(cfg):
         # ---- update: PPO-clip + SEED in --mini-batches optimizer steps
         t3 = time.time()
         mini_batches = distributed.fewest(cfg.mini_batches, len(rows.prompts), world, policy.device)
-        anchor = teacher_anchor(cfg.teacher_anchor, policy, start, rows, mini_batches, cfg, stream,
-                                cfg.teacher_anchor_target, ref_logp) if cfg.teacher_anchor > 0 else None  # off
+        extra = teacher_terms(cfg, policy, start, rows, advantages, mini_batches, stream, ref_logp)  # off: None
         metrics, skipped = seed.ppo_update(
             policy, optimizer, rows, advantages, teacher_logp if cfg.algo == "seed" else None,
             ref_logp, has_teacher, mini_batches, loss_kwargs=loss_kwargs,
             temperature=cfg.temperature, layout=cfg.layout, max_batch_tokens=cfg.max_batch_tokens,
             grad_clip=cfg.grad_clip, sync=distributed.GradientSync() if world > 1 else None,
-            extra_loss=anchor)
+            extra_loss=extra)
         if cfg.analyzer_training != "none" and skill_list is not None:  # beyond the paper; off
             metrics.update(analyzer_step(cfg.analyzer_training, policy, start, optimizer, cfg,
                                          trajectories, skill_list, texts, rows, teacher_logp,

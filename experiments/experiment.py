@@ -55,7 +55,11 @@ ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the 
         "teacher-effect-anchor": ["--teacher-anchor", "1.0", "--teacher-anchor-target", "effect"],
         "centered": ["--distill-center"],  # only the skill's relative verdict is distilled
         "centered-shuffled": ["--distill-center", "--teacher-skill", "shuffled"],  # its control
-        "centered-effect-anchor": ["--teacher-anchor", "1.0", "--teacher-anchor-target", "effect", "--distill-center"]}
+        "centered-effect-anchor": ["--teacher-anchor", "1.0", "--teacher-anchor-target", "effect", "--distill-center"],
+        # the analyzer learns to write the fix while the teacher keeps its response to skills: the lift needs both
+        "explored-effect-anchor": ["--analyzer-training", "explored", "--teacher-anchor", "1.0",
+                                   "--teacher-anchor-target", "effect"],
+        "teacher-rl": ["--teacher-rl", "1.0"]}  # RL trains the teacher's context too (its own skill in the prompt)
 
 
 def analyzer_limits():

@@ -16,10 +16,10 @@ import seed
 import train
 from annotators.text_worlds import annotate, names_fix
 from evaluation import self_analysis
-from models.scoring import padded_logprobs, response_logprobs, response_mask
+from models.scoring import forward_logprobs, padded_logprobs, response_logprobs, response_mask
 from test_seed import FAILURES, TRAIN_FLAGS, fresh, read_lines, run_train
 from training.analyzer import (ANALYZER_LR_SCALE, analyzer_examples, analyzer_step, centered_teacher, teacher_anchor,
-                               token_deltas, trajectory_deltas)
+                               teacher_rl, token_deltas, trajectory_deltas)
 
 
 def probe_config(**flags):
@@ -276,6 +276,45 @@ def test_the_teacher_anchor_trains_inside_the_ppo_steps_and_is_seed_only(tiny, t
         train.get_config(["--algo", "grpo", "--teacher-anchor", "1.0"])
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "--teacher-anchor" in errors[0], errors
+
+
+def test_teacher_rl_is_the_policy_gradient_with_the_skill_in_context(tiny, trajectories, tmp_path, capsys):
+    """--teacher-rl: two shares' gradients add up to coef x the token-mean policy gradient -A grad log pi over every
+    token whose row has a teacher, the skill in its context (against a direct computation); rows without a teacher
+    and the skill-free prompts get none; a run logs its loss; --algo grpo has no teacher context: one error line."""
+    policy, cfg = fresh(tiny[0]), probe_config()
+    rows = seed.step_rows(trajectories, ["Heat the apple with microwave 1 first.", None, "Cool it.", "Look around."])
+    taught = [i for i, text in enumerate(rows.teacher_prompts) if text is not None]
+    advantages = torch.linspace(-1.0, 1.0, len(rows.prompts))                                      # (B,)
+    step = teacher_rl(0.5, policy, rows, advantages, 2, cfg)
+    step(), step()
+    assert step() == {"teacher_rl_loss": 0.0}  # a third PPO step finds no share left
+    found = [p.grad.clone() for p in policy.model.parameters()]
+    policy.model.zero_grad(set_to_none=True)
+    prompts = [seed.encode_chat(policy.tokenizer, rows.teacher_prompts[i]) for i in taught]
+    responses = [rows.responses[i] for i in taught]
+    mask = response_mask(responses)                                                                  # (b, R)
+    order = __import__("random").Random(0).sample(range(len(prompts)), len(prompts))
+    for part in range(2):  # each share's token mean, as each PPO step takes it
+        share = order[part::2]
+        logp, _ = forward_logprobs(policy.model, [prompts[i] for i in share], [responses[i] for i in share],
+                                   policy.pad_id, cfg.temperature, cfg.layout)                       # (s, r)
+        width = logp.shape[1]
+        weights = -0.5 * advantages[[taught[i] for i in share]][:, None] * mask[share, :width]
+        ((weights * logp).sum() / mask[share].sum()).backward()
+    direct = [p.grad for p in policy.model.parameters()]
+    difference = max(float((a - b).abs().max()) for a, b in zip(found, direct))
+    with capsys.disabled():
+        print(f"\nteacher RL gradient vs direct: max difference {difference:.2e}")
+    assert max(float(g.abs().max()) for g in direct) > 1e-4 and difference < 1e-6
+    flags = [*TRAIN_FLAGS, "--model", tiny[1], "--stage", "rl", "--updates", 1, "--teacher-skill", "annotator"]
+    run_train(*flags, "--teacher-rl", 1.0, "--out-dir", tmp_path / "taught")
+    (metrics,) = read_lines(tmp_path / "taught" / "metrics.jsonl")
+    assert metrics["skipped"] is None and "teacher_rl_loss" in metrics, metrics
+    with pytest.raises(SystemExit):
+        train.get_config(["--algo", "grpo", "--teacher-rl", "1.0"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--teacher-rl" in errors[0], errors
 
 
 def test_distill_center_zeroes_the_updates_mean_delta_and_keeps_every_difference(tiny, trajectories, tmp_path, capsys):

@@ -27,6 +27,9 @@ invalid commands (their log-prob change minus valid ones', -0.474 nats on the st
 the PPO steps (their gradients add up, so no extra optimizer step moves the weights), to the frozen start model's
 teacher (--teacher-anchor-target start; exp14: it held the whole policy at the start, habit included) or to the
 current student plus the start model's skill effect (effect: only the response to the skill is held).
+--teacher-rl (beyond the paper, 0 = off) trains the teacher's context itself: the update's policy gradient once
+more on the same sampled tokens with each row's own skill in the prompt (`teacher_rl`), since trained SEED models
+play the probe's tasks worse with a skill, even the annotator's, than without one (docs/experiments.md, exp22).
 --distill-center (beyond the paper, off) subtracts the update's mean delta, so only the skill's relative verdict on
 the sampled tokens is distilled (`centered_teacher`).
 """
@@ -145,26 +148,66 @@ def teacher_anchor(coef, policy, start, rows, parts, cfg, seed_value=0, target="
         start_logp = padded_logprobs([rows.sampled_logp[i] for i in with_skill]) + effect           # (b, R)
     elif target != "start":
         raise ValueError(f"unknown --teacher-anchor-target {target!r}")
+
+    def micro_loss(logp, picked, micro_mask):  # (b, r) each; only seed_loss's KL term
+        loss, metrics = L.seed_loss(logp, logp.detach(), torch.zeros(len(picked), device=logp.device), micro_mask,
+                                    ref_logp=start_logp[picked, :logp.shape[1]].to(logp.device), kl_coef=coef,
+                                    distill_coef=0.0)
+        return loss, metrics["kl"]
+    return teacher_context_steps(policy, prompts, responses, parts, cfg, seed_value, micro_loss, "teacher_anchor_kl")
+
+
+def teacher_rl(coef, policy, rows, advantages, parts, cfg, seed_value=0):
+    """seed.ppo_update's extra_loss for --teacher-rl `coef`: the update's policy gradient once more on the same
+    sampled tokens, with each row's skill in its context, so RL trains the teacher's context as well as the
+    student's (the paper trains only the skill-free one; after exp21/exp22's SEED runs the policy plays the probe's
+    tasks worse with any skill in the prompt, the annotator's included, than without one). The skill was written
+    about that very trajectory, so a success's workflow and a failure's warning are reinforced as what to follow.
+    Rows as teacher_anchor deals them; old log-probs are the share's own (ratio 1: coef x A x grad log pi, token
+    mean); returns {"teacher_rl_loss": that share's policy loss}. advantages (B,), the update's."""
+    with_skill = [i for i, text in enumerate(rows.teacher_prompts) if text is not None]
+    prompts = [seed.encode_chat(policy.tokenizer, rows.teacher_prompts[i]) for i in with_skill]
+    responses = [rows.responses[i] for i in with_skill]
+    scaled = coef * advantages[with_skill].float().cpu()                                           # (b,)
+
+    def micro_loss(logp, picked, micro_mask):  # (b, r) each; only seed_loss's policy term
+        loss, _ = L.seed_loss(logp, logp.detach(), scaled[picked].to(logp.device), micro_mask, distill_coef=0.0)
+        return loss, loss.item()
+    return teacher_context_steps(policy, prompts, responses, parts, cfg, seed_value, micro_loss, "teacher_rl_loss")
+
+
+def teacher_context_steps(policy, prompts, responses, parts, cfg, seed_value, micro_loss, name):
+    """The extra_loss both teacher terms share: the rows (prompts with the skill, responses) dealt at random into
+    `parts` shares, one per PPO step (their gradients add to the step's, so no extra optimizer step moves the
+    weights); each call back-propagates micro_loss(logp (b, r), rows picked, mask (b, r)) -> (token-mean loss,
+    float) weighted so the micro-batches' token means sum to the share's, and returns {name: the share's float}."""
     order = random.Random(seed_value).sample(range(len(prompts)), len(prompts))
     shares = iter([order[part::parts] for part in range(parts)])
 
-    def anchor_step():
+    def step():
         share = next(shares, [])  # a share per call; past the last, nothing
         mask = response_mask([responses[i] for i in share])                   # (s, R)
-        total, kl = mask.sum().clamp(min=1), 0.0
+        total, value = mask.sum().clamp(min=1), 0.0
         for batch in micro_batches([prompts[i] for i in share], [responses[i] for i in share],
                                    cfg.max_batch_tokens):
             picked = [share[j] for j in batch]
             logp, _ = forward_logprobs(policy.model, [prompts[i] for i in picked],
                                        [responses[i] for i in picked], policy.pad_id, cfg.temperature,
                                        cfg.layout)                               # (b, r)
-            width = logp.shape[1]
-            micro_mask = mask[batch, :width].to(logp.device)                    # (b, r)
-            loss, metrics = L.seed_loss(logp, logp.detach(), torch.zeros(len(picked), device=logp.device),
-                                        micro_mask, ref_logp=start_logp[picked, :width].to(logp.device),
-                                        kl_coef=coef, distill_coef=0.0)
+            micro_mask = mask[batch, :logp.shape[1]].to(logp.device)            # (b, r)
+            loss, found = micro_loss(logp, picked, micro_mask)
             weight = float(micro_mask.sum() / total)  # micro-batch token means sum to the share's mean
             (loss * weight).backward()
-            kl += metrics["kl"] * weight
-        return {"teacher_anchor_kl": kl}
-    return anchor_step
+            value += found * weight
+        return {name: value}
+    return step
+
+
+def teacher_terms(cfg, policy, start, rows, advantages, parts, seed_value=0, ref_logp=None):
+    """train.py's extra_loss for seed.ppo_update: --teacher-anchor and --teacher-rl, whichever are on (their
+    metrics in one dict); None when both are off, the paper's protocol."""
+    steps = [teacher_anchor(cfg.teacher_anchor, policy, start, rows, parts, cfg, seed_value, cfg.teacher_anchor_target,
+                            ref_logp)] if cfg.teacher_anchor > 0 else []
+    steps += [teacher_rl(cfg.teacher_rl, policy, rows, advantages, parts, cfg, seed_value)] \
+        if cfg.teacher_rl > 0 else []
+    return (lambda: {key: value for step in steps for key, value in step().items()}) if steps else None

@@ -16,7 +16,7 @@ AT_LEAST_ONE = ("updates", "tasks_per_update", "group_size", "max_new_tokens", "
 AT_LEAST = {"warmup_analyzer_share": 0, "threads": 0, "history_window": 0, "sft_tasks": 1, "sft_rollouts": 1, "sft_epochs": 0, "sft_batch_size": 1, "warmup_steps": 0, "analysis_prompt_tokens": 1,
             "analysis_temperature": 0, "eval_temperature": 0, "weight_decay": 0, "kl_coef": 0, "entropy_coef": 0,
             "invalid_penalty": 0, "clip_low": 0, "clip_high": 0, "env_timeout": 0, "distill_coef": 0,
-            "train_tasks": 0, "teacher_anchor": 0}
+            "train_tasks": 0, "teacher_anchor": 0, "teacher_rl": 0}
 ABOVE_ZERO = {"temperature": "the update re-scores the samples at this temperature", "grad_clip": "",
               "gate_beta": "", "sft_lr": "", "lr": ""}
 
@@ -59,6 +59,8 @@ def add_plumbing_flags(add, defaults, max_steps):
         "with the skill in context, so RL keeps the teacher's response to skills (training/analyzer.py)")
     add("--teacher-anchor-target", "start", "what --teacher-anchor holds the teacher to: the start model's teacher, or "
         "the current student plus the start model's skill effect (training/analyzer.py)", choices=["start", "effect"])
+    add("--teacher-rl", 0.0, "beyond the paper: weight of the policy gradient on the same sampled tokens with each "
+        "row's skill in context, so RL trains the teacher's context too (training/analyzer.py)")
     add("--distill-center", False, "beyond the paper: shift the teacher's log-probs so delta averages 0 over each "
         "update's teacher tokens; only the skill's relative verdict is distilled (training/analyzer.py)",
         action="store_true")
@@ -173,6 +175,8 @@ def check_config(cfg, error, defaults):
         error("--analyzer-training trains SEED's analyzer, which --algo grpo never uses")
     if cfg.teacher_anchor > 0 and cfg.algo == "grpo":
         error("--teacher-anchor anchors SEED's teacher, which --algo grpo has none of")
+    if cfg.teacher_rl > 0 and cfg.algo == "grpo":
+        error("--teacher-rl trains SEED's teacher context, which --algo grpo has none of")
     if cfg.distill_center and cfg.algo == "grpo":
         error("--distill-center shifts SEED's teacher, which --algo grpo has none of")
     if cfg.teacher_anchor_target != "start" and cfg.teacher_anchor == 0:
