@@ -135,9 +135,7 @@ def teacher_anchor(coef, policy, start, rows, parts, cfg, seed_value=0, target="
     effect (its teacher's minus its student's), so the teacher keeps the start's response to the skill wherever the
     student has moved. Scored once, here; ref_logp (B, R), the start model's skill-free log-probs that re-scoring
     made for the KL term, spares "effect" a second pass over the same rows."""
-    with_skill = [i for i, text in enumerate(rows.teacher_prompts) if text is not None]
-    prompts = [seed.encode_chat(policy.tokenizer, rows.teacher_prompts[i]) for i in with_skill]
-    responses = [rows.responses[i] for i in with_skill]
+    with_skill, prompts, responses = teacher_rows(policy, rows)
     score = lambda prompt_list, desc: response_logprobs(start.model, prompt_list, responses, start.pad_id,
                                                         cfg.temperature, cfg.layout, cfg.max_batch_tokens, desc)
     start_logp = score(prompts, "anchor: start teacher")                                         # (b, R)
@@ -165,15 +163,20 @@ def teacher_rl(coef, policy, rows, advantages, parts, cfg, seed_value=0):
     about that very trajectory, so a success's workflow and a failure's warning are reinforced as what to follow.
     Rows as teacher_anchor deals them; old log-probs are the share's own (ratio 1: coef x A x grad log pi, token
     mean); returns {"teacher_rl_loss": that share's policy loss}. advantages (B,), the update's."""
-    with_skill = [i for i, text in enumerate(rows.teacher_prompts) if text is not None]
-    prompts = [seed.encode_chat(policy.tokenizer, rows.teacher_prompts[i]) for i in with_skill]
-    responses = [rows.responses[i] for i in with_skill]
+    with_skill, prompts, responses = teacher_rows(policy, rows)
     scaled = coef * advantages[with_skill].float().cpu()                                           # (b,)
 
     def micro_loss(logp, picked, micro_mask):  # (b, r) each; only seed_loss's policy term
         loss, _ = L.seed_loss(logp, logp.detach(), scaled[picked].to(logp.device), micro_mask, distill_coef=0.0)
         return loss, loss.item()
     return teacher_context_steps(policy, prompts, responses, parts, cfg, seed_value, micro_loss, "teacher_rl_loss")
+
+
+def teacher_rows(policy, rows):
+    """The rows with a teacher: their indices, their prompts with the skill (encoded) and their sampled responses."""
+    with_skill = [i for i, text in enumerate(rows.teacher_prompts) if text is not None]
+    return (with_skill, [seed.encode_chat(policy.tokenizer, rows.teacher_prompts[i]) for i in with_skill],
+            [rows.responses[i] for i in with_skill])
 
 
 def teacher_context_steps(policy, prompts, responses, parts, cfg, seed_value, micro_loss, name):
