@@ -219,15 +219,9 @@ def _mistakes(facts):
     repeated = sorted((steps[1], action, len(steps)) for action, steps in tries.items() if len(steps) >= 2)
     if repeated:
         step, action, count = repeated[0]
-        event = _parse_action(action) or {"kind": None, "target": None}
         shut = facts["closed"] - {other["target"] for other in events if other["kind"] == "open"
                                   and other["step"] < step}
-        hint = ("always end the reply with one admissible command inside the action tags" if not action
-                else f"open {event['target']} first" if event["kind"] == "take" and event["target"] in shut
-                else "take only objects listed in the current observation" if event["kind"] == "take"
-                else "pick a command from the admissible actions")
-        found.append((1, step, "invalid", {"what": f"'{action}'" if action else "replies without an action tag",
-                                           "count": count, "hint": hint}))
+        found.append((1, step, "invalid", _refusal(action, count, shut)))
     visits = [(event["step"], event["target"]) for event in events if event["kind"] == "go"]
     opened = {event["target"] for event in events if event["kind"] == "open"}
     if len(taken) < facts["needed"] and not facts["won"]:
@@ -262,6 +256,25 @@ def _mistakes(facts):
              "lamp" if verb == "use" and "use" not in kinds_done else
              "second" if target and placed and facts["needed"] == 2 else "place" if target else "finish")
     return found + [(3, facts["steps"], "unfinished", {"stage": stage})]
+
+
+def _refusal(action, count, shut=()):
+    """The fields of the "invalid" mistake: a command (or, as "", a reply without an action tag) that the env
+    refused `count` times, and what to do instead (shut: the receptacles still closed at that step)."""
+    event = _parse_action(action) or {"kind": None, "target": None}
+    hint = ("always end the reply with one admissible command inside the action tags" if not action
+            else f"open {event['target']} first" if event["kind"] == "take" and event["target"] in shut
+            else "take only objects listed in the current observation" if event["kind"] == "take"
+            else "pick a command from the admissible actions")
+    return {"what": f"'{action}'" if action else "replies without an action tag", "count": count, "hint": hint}
+
+
+def refusal_skill(action, count, rng):
+    """The skill this annotator writes when a failure's first decisive mistake is `action` refused `count` times
+    (the warm-up's loop contrast, warmup/warm_start.py loop_following, names a refused command with it)."""
+    fields = _refusal(action, count)
+    fields["Hint"] = fields["hint"][:1].upper() + fields["hint"][1:]
+    return rng.choice(_FAILURES["invalid"][1]).format(**fields)
 
 
 def _failure(facts, rng):

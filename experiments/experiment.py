@@ -7,7 +7,8 @@ distillation signal.
         -- --env vision                                                  # on screenshots (docs/vision.md)
     python experiments/experiment.py --seeds 0 --updates 2 --smoke       # a quick check that the pipeline runs
     python experiments/experiment.py --picture out/experiment/seed-0     # one trajectory's delta (HTML, terminal)
-    python experiments/experiment.py --probes MODEL_DIR                  # habit probe, skill lift, fixing-skill share
+    python experiments/experiment.py --probes MODEL_DIR                  # habit probe, skill lift, loop warnings,
+                                                                        # fixing-skill share
                                                                         # (a vision model: skills right about pixels)
     python experiments/experiment.py --mechanism MODEL_DIR               # SEED vs GRPO updates on all-failed groups
     python experiments/experiment.py --evaluate DIR [DIR ...]            # sampled evaluation of finished models
@@ -282,8 +283,9 @@ def plot(args, curves):
 def probes(model, episodes=48, history_window=3, max_steps=20, seed_value=0):
     """What decides whether SEED can help on the household demo, for a model folder (a warm-start or a
     checkpoint): the habit probe, how far the skill in the context lifts the decision it is about
-    (skill_lift, both splits), and of the sampled episodes that failed the habit's way, the share whose
-    self-written skill names the fix. Prints one line per measure and returns them."""
+    (skill_lift, both splits), whether a warning about a refused command breaks the loop only when it names that
+    command (loop_controls: the analyzer's commonest failure skill), and of the sampled episodes that failed the
+    habit's way, the share whose self-written skill names the fix. Prints one line per measure, returns them."""
     import envs
     import seed
     from models.policy import load_policy
@@ -301,6 +303,14 @@ def probes(model, episodes=48, history_window=3, max_steps=20, seed_value=0):
             gap = controls["own"] - controls[name]  # (n,)
             found[f"own minus {name} lift {split}: mean, std, decisions where own is higher"] = (
                 f"{gap.mean().item():+.3f}, {gap.std().item():.3f}, {int((gap > 0).sum())} of {len(gap)}")
+    controls = loop_controls(policy, loop_decisions("valid_seen", 48, history_window, max_steps))
+    found["loop decisions valid_seen: preference for the expert's command over the repeat"] = \
+        controls.pop("none").mean().item()
+    for name, lifts in controls.items():  # the analyzer's commonest failure skill: does what it names decide?
+        found[f"loop lift valid_seen, {name} ({len(lifts)} decisions)"] = lifts.mean().item()
+    gap = controls["own warning"] - controls["another command's warning"]  # (n,)
+    found["own minus another command's warning, loop lift: mean, std, decisions where own is higher"] = (
+        f"{gap.mean().item():+.3f}, {gap.std().item():.3f}, {int((gap > 0).sum())} of {len(gap)}")
     env_list = [envs.make_env("household", "train", i, max_steps=max_steps) for i in range(episodes)]
     tasks = habit.habit_task_seeds(episodes)
     trajectories = seed.rollout(policy, env_list, tasks, 1, max_steps, PROMPT, 48, 1.0, history_window,
@@ -311,6 +321,45 @@ def probes(model, episodes=48, history_window=3, max_steps=20, seed_value=0):
     for name, value in found.items():
         print(f"{name}: {value if value is None or isinstance(value, (int, str)) else f'{value:.3f}'}")
     return found
+
+
+def loop_decisions(split="valid_seen", count=48, history_window=3, max_steps=20, epsilon=0.4):
+    """The loop's decision: the step right after a command the env refused, in noisy expert episodes of a split
+    (as the warm-up makes them: warmup/warm_start.py expert_episode), where the expert's label is another command.
+    -> [(prompt, expert's response, the response repeating the refused command with the same think, the
+    annotator's warning naming the refused command, the same warning naming another command of the episode)]."""
+    import random
+    import envs
+    from annotators.text_worlds import refusal_skill
+    from warmup.warm_start import expert_episode
+    decisions, task_seed = [], 0
+    while len(decisions) < count and task_seed < 20 * count:
+        env, rng = envs.make_env("household", split, task_seed, max_steps=max_steps), random.Random(task_seed)
+        trajectory, examples, _ = expert_episode(env, task_seed, epsilon, rng, history_window)
+        task_seed += 1
+        refused = [(index + 1, step.action) for index, step in enumerate(trajectory.steps[:-1]) if not step.valid
+                   and step.action and f"<action>{step.action}</action>" not in examples[index + 1][1]]
+        for index, command in refused[:1]:
+            others = sorted({step.action for step in trajectory.steps if step.action} - {command})
+            prompt, right = examples[index]
+            repeat = re.sub(r"<action>.*</action>", f"<action>{command}</action>", right)
+            if others:
+                decisions.append((prompt, right, repeat, refusal_skill(command, 2, rng),
+                                  refusal_skill(rng.choice(others), 2, rng)))
+    return decisions
+
+
+def loop_controls(policy, decisions):
+    """Does a warning about a loop break it, and only when it names the command looped? Per loop decision, the
+    lift over no skill of P(expert's command) / (P(expert's) + P(repeat)) with the warning naming the refused
+    command (own), the warning naming another command and a content-free skill, paired -> {context: (n,) lifts}
+    (and "none": the preference itself)."""
+    from evaluation import habit
+    from warmup.warm_start import GENERIC_SKILLS
+    plain = habit.preferences(policy, decisions, [None] * len(decisions))  # (n,)
+    return {"none": plain, **{name: habit.preferences(policy, decisions, given) - plain for name, given in (
+        ("own warning", [d[3] for d in decisions]), ("another command's warning", [d[4] for d in decisions]),
+        ("generic", [GENERIC_SKILLS[0]] * len(decisions)))}}
 
 
 def screen_skill_probes(model, episodes=64, seed_value=0):
@@ -620,8 +669,8 @@ def main(argv=None):
                    help="runs at a time, each with cores / jobs threads (default: 2, or 1 on one core)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, measures nothing")
     p.add_argument("--picture", metavar="RUN_DIR", help="write the delta picture for a finished run and exit")
-    p.add_argument("--probes", metavar="MODEL_DIR", help="habit probe, skill lift and fixing-skill "
-                   "share of a model; of a vision model: are its skills right about the pixels")
+    p.add_argument("--probes", metavar="MODEL_DIR", help="habit probe, skill lift, loop-warning controls "
+                   "and fixing-skill share of a model; of a vision model: are its skills right about the pixels")
     p.add_argument("--evaluate", metavar="MODEL_DIR", nargs="+", help="evaluate finished models again "
                    "(--eval-temperature, --eval-tasks) and exit")
     p.add_argument("--eval-temperature", type=float, default=0.4, help="--evaluate: sampling temperature (OPID's)")

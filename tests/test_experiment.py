@@ -70,15 +70,19 @@ def test_delta_picture_shows_the_trajectory_tokens(tmp_path, monkeypatch):
 
 
 def test_probes_measure_a_model(tiny):
-    """--probes on a model folder: the habit probe and the skill lift on both splits, and the fixing-skill
-    share over sampled heat/cool/clean episodes (None when none failed the habit's way)."""
+    """--probes on a model folder: the habit probe and the skill lift on both splits, the loop warnings' controls,
+    and the fixing-skill share over sampled heat/cool/clean episodes (None when none failed the habit's way)."""
     found = experiment.probes(tiny[1], episodes=2, max_steps=3)
     controls = {f"skill lift {split}, {name} skill" for split in ("valid_seen", "valid_unseen")
                 for name in ("own", "shuffled", "generic")}
     gaps = {f"own minus {name} lift {split}: mean, std, decisions where own is higher"
             for split in ("valid_seen", "valid_unseen") for name in ("shuffled", "generic")}
+    loops = {"loop decisions valid_seen: preference for the expert's command over the repeat",
+             "own minus another command's warning, loop lift: mean, std, decisions where own is higher"} | {
+        f"loop lift valid_seen, {name} (48 decisions)" for name in ("own warning", "another command's warning",
+                                                                   "generic")}
     assert set(found) == {"habit valid_seen", "habit valid_unseen", "fixing skill share", "habit failures"} \
-        | controls | gaps, sorted(found)
+        | controls | gaps | loops, sorted(found)
     assert 0 <= found["habit valid_seen"] <= 1 and -1 <= found["skill lift valid_unseen, own skill"] <= 1
     assert found["own minus generic lift valid_seen: mean, std, decisions where own is higher"].endswith("of 48")
 

@@ -312,6 +312,34 @@ def test_skill_lift_reads_whether_the_skill_moves_the_decision(tiny):
     assert lifts["follows"] > 0.5 and abs(lifts["ignores"]) < 0.2, lifts
 
 
+def test_loop_controls_read_whether_the_warning_names_the_loop(tiny):
+    """loop_decisions: right after a refused command, the expert's response and the same think repeating that
+    command, the annotator's warning naming it and one naming another command. loop_controls: a model trained
+    to break the loop only when the warning names the command looped lifts far more with its own warning than
+    with another command's; one trained to break it on any warning does not tell them apart."""
+    from experiments.experiment import loop_controls, loop_decisions
+    decisions = loop_decisions("valid_seen", 8)
+    assert len(decisions) == 8
+    for prompt, right, repeat, own, other in decisions:
+        command = skills.parse_action(repeat)
+        assert command != skills.parse_action(right) and right.split("<action>")[0] == repeat.split("<action>")[0]
+        assert f"'{command}'" in own and "Nothing happens." in own and f"'{command}'" not in other, (own, other)
+        assert f"{command}\nObservation" in prompt or command in prompt.split("Your admissible")[0], prompt
+    gaps = {}
+    for name, other_label in (("names it", 2), ("any warning", 1)):
+        data = [row for d in decisions for row in ((skills.with_skill(d[0], d[3]), d[1]), (d[0], d[2]),
+                                                   (skills.with_skill(d[0], d[4]), d[other_label]))]
+        policy = load_policy(tiny[1])
+        torch.manual_seed(0)
+        warm_start.supervised_training(policy, [(1.0, data)], steps=150, batch_size=16, lr=3e-3,
+                                       max_batch_tokens=16384)
+        controls = loop_controls(policy, decisions)
+        gaps[name] = (controls["own warning"] - controls["another command's warning"]).mean().item()
+    print(f"\nown minus another command's warning: {gaps['names it']:+.3f} when trained on the named command, "
+          f"{gaps['any warning']:+.3f} when any warning breaks the loop")
+    assert gaps["names it"] > 0.3 and abs(gaps["any warning"]) < 0.15, gaps  # seen: +0.413, +0.014
+
+
 def test_fixing_skill_share_counts_the_habit_failures_whose_skill_names_the_fix():
     """Two heat/cool/clean episodes played by the household expert, with the skip habit (a habit failure)
     and without it (won); a skill counts as a fix when it names the task's verb."""
