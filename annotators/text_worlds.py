@@ -271,10 +271,14 @@ def _refusal(action, count, shut=()):
 
 def refusal_skill(action, count, rng):
     """The skill this annotator writes when a failure's first decisive mistake is `action` refused `count` times
-    (the warm-up's loop contrast, warmup/warm_start.py loop_following, names a refused command with it)."""
-    fields = _refusal(action, count)
-    fields["Hint"] = fields["hint"][:1].upper() + fields["hint"][1:]
-    return rng.choice(_FAILURES["invalid"][1]).format(**fields)
+    (experiments/experiment.py loop_decisions asks for it with the refused command and with another one)."""
+    return rng.choice(_FAILURES["invalid"][1]).format(**_with_capitals(_refusal(action, count)))
+
+
+def _with_capitals(fields):
+    """fields plus, for each text field, its capitalized twin ("hint" -> "Hint") for a sentence's start."""
+    return {**fields, **{key.capitalize(): value[:1].upper() + value[1:] for key, value in fields.items()
+                         if isinstance(value, str)}}
 
 
 def _failure(facts, rng):
@@ -288,8 +292,7 @@ def _failure(facts, rng):
               "typical": _listing(map(_plural, facts["typical"])) or "every receptacle", **details}
     if name == "unfinished":
         fields["stage"], fields["next"] = (text.format(**fields) for text in _STAGES[details["stage"]])
-    fields.update({key.capitalize(): value[:1].upper() + value[1:] for key, value in list(fields.items())
-                   if isinstance(value, str)})
+    fields = _with_capitals(fields)
     what, options = _FAILURES[name]
     summary = (f"The agent failed '{facts['task']}' after {facts['steps']} step{'s' * (facts['steps'] != 1)}: "
                + what.format(**fields) + (f" (step {step + 1})." if step < facts["steps"] else "."))

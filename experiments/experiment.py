@@ -300,17 +300,15 @@ def probes(model, episodes=48, history_window=3, max_steps=20, seed_value=0):
         for name, lifts in controls.items():  # does what the skill says decide? paired per decision
             found[f"skill lift {split}, {name} skill"] = lifts.mean().item()
         for name in ("shuffled", "generic"):
-            gap = controls["own"] - controls[name]  # (n,)
-            found[f"own minus {name} lift {split}: mean, std, decisions where own is higher"] = (
-                f"{gap.mean().item():+.3f}, {gap.std().item():.3f}, {int((gap > 0).sum())} of {len(gap)}")
+            found[f"own minus {name} lift {split}: mean, std, decisions where own is higher"] = paired(
+                controls["own"] - controls[name])
     controls = loop_controls(policy, loop_decisions("valid_seen", 48, history_window, max_steps))
     found["loop decisions valid_seen: preference for the expert's command over the repeat"] = \
         controls.pop("none").mean().item()
     for name, lifts in controls.items():  # the analyzer's commonest failure skill: does what it names decide?
         found[f"loop lift valid_seen, {name} ({len(lifts)} decisions)"] = lifts.mean().item()
-    gap = controls["own warning"] - controls["another command's warning"]  # (n,)
-    found["own minus another command's warning, loop lift: mean, std, decisions where own is higher"] = (
-        f"{gap.mean().item():+.3f}, {gap.std().item():.3f}, {int((gap > 0).sum())} of {len(gap)}")
+    found["own minus another command's warning, loop lift: mean, std, decisions where own is higher"] = paired(
+        controls["own warning"] - controls["another command's warning"])
     env_list = [envs.make_env("household", "train", i, max_steps=max_steps) for i in range(episodes)]
     tasks = habit.habit_task_seeds(episodes)
     trajectories = seed.rollout(policy, env_list, tasks, 1, max_steps, PROMPT, 48, 1.0, history_window,
@@ -321,6 +319,11 @@ def probes(model, episodes=48, history_window=3, max_steps=20, seed_value=0):
     for name, value in found.items():
         print(f"{name}: {value if value is None or isinstance(value, (int, str)) else f'{value:.3f}'}")
     return found
+
+
+def paired(gap):
+    """A paired control's (n,) per-decision differences as "mean, std, k of n" (k: decisions above 0)."""
+    return f"{gap.mean().item():+.3f}, {gap.std().item():.3f}, {int((gap > 0).sum())} of {len(gap)}"
 
 
 def loop_decisions(split="valid_seen", count=48, history_window=3, max_steps=20, epsilon=0.4):
