@@ -50,6 +50,7 @@ ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the 
         "no-stage1": ["--warmup-analyzer-share", "0"],  # the paper's "without hindsight-skill SFT" (tiny)
         "analyzer-confirmed": ["--analyzer-training", "confirmed"],
         "analyzer-explored": ["--analyzer-training", "explored"],
+        "analyzer-confirmed-and-explored": ["--analyzer-training", "confirmed-and-explored"],
         "analyzer-lift": ["--analyzer-training", "lift"],
         "analyzer-anchor": ["--analyzer-training", "anchor"],
         "teacher-anchor": ["--teacher-anchor", "1.0"],  # keeps the teacher's response to skills during RL

@@ -147,7 +147,7 @@ def test_the_start_analyzer_never_changes_while_the_policy_does(tiny, tmp_path, 
     assert len(used) == 3 and not all(torch.equal(a, b) for a, b in zip(used[0], used[-1]))
 
 
-@pytest.mark.parametrize("kind", ["confirmed", "explored", "lift", "anchor"])
+@pytest.mark.parametrize("kind", ["confirmed", "explored", "confirmed-and-explored", "lift", "anchor"])
 def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kind, tmp_path, capsys):
     policy = fresh(tiny[0])
     cfg = probe_config()
@@ -158,6 +158,12 @@ def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kin
     chosen = analyzer_examples(kind, policy, policy, cfg, trajectories, skill_list, texts, rows, teacher,
                                has_teacher)
     assert all(prompt.startswith("Analyze the agent's episode.") for prompt, _ in chosen)
+    if kind == "confirmed-and-explored":  # the update's greedy analyses that name the fix stay in the step
+        from annotators.text_worlds import annotate
+        right = [annotate(t)[1] for t in trajectories]  # the ground truth's skills name the fix of every failure
+        confirmed, both = (analyzer_examples(name, policy, policy, cfg, trajectories, right, texts, rows, teacher,
+                                             has_teacher) for name in ("confirmed", kind))
+        assert confirmed and len(both) >= min(len(confirmed), cfg.sft_batch_size), (len(confirmed), len(both))
     if kind == "lift":
         deltas = trajectory_deltas(rows, teacher, has_teacher)
         assert len(chosen) == sum((deltas[i] > 0) == t.won for i, t in enumerate(trajectories) if i in deltas)
