@@ -281,9 +281,22 @@ def _with_capitals(fields):
                          if isinstance(value, str)}}
 
 
+def _first_mistake(facts):
+    """The first decisive mistake: the lowest tier, then the earliest -> (tier, step, name, fields)."""
+    return min(_mistakes(facts), key=lambda mistake: mistake[:2])
+
+
+def mistake_kind(trajectory):
+    """The name of a failed episode's first decisive mistake as the annotator finds it ("invalid", "placed_early",
+    "circling", ...; the keys of names_fix's fixes); None for a success or an episode without ground truth."""
+    if trajectory.won or not isinstance(trajectory.gt, dict):
+        return None
+    return _first_mistake(_facts(trajectory, trajectory.gt))[2]
+
+
 def _failure(facts, rng):
-    """The first decisive mistake (lowest tier, then earliest) and what to do instead."""
-    _, step, name, details = min(_mistakes(facts), key=lambda mistake: mistake[:2])
+    """The first decisive mistake and what to do instead."""
+    _, step, name, details = _first_mistake(facts)
     verb, target = facts["verb"] or "", facts["target"]
     fields = {"goal": facts["goal"], "a_goal": _a(facts["goal"]), "goals": _plural(facts["goal"]), "verb": verb,
               "tool": facts["tool"], "tool_kind": facts["tool_kind"], "target": target, "family": facts["family"],
@@ -324,7 +337,7 @@ def names_fix(trajectory, skill):
     if not skill:
         return False
     facts = _facts(trajectory, trajectory.gt)
-    _, _, name, details = min(_mistakes(facts), key=lambda mistake: mistake[:2])
+    _, _, name, details = _first_mistake(facts)
     places = sorted(set(facts["locations"].values()))
     fixes = {"wrong_tool": [facts["tool_kind"]], "placed_early": [facts["verb"], facts["tool_kind"]],
              "wrong_object": [facts["goal"]], "closed": [details.get("place"), "open"],

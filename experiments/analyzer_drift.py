@@ -3,6 +3,7 @@ experiments/analyzer_drift.py: does RL move the analyzer, which of its tokens, a
 
     python experiments/analyzer_drift.py out/exp9/seed-3 out/exp9/grpo-3      # each run's saved checkpoints
     python experiments/analyzer_drift.py out/exp9/seed-* --tasks 16 --samples 8
+    python experiments/analyzer_drift.py out/exp23/seed-* --tasks 96 --samples 0 --last-only   # fixing by kind
 
 Issue 38's first question about the analyzer ("first find out why it drifts"). RL trains only the action tokens
 of the weights that also write the skills, so the analysis distribution can move without any loss on it. For the
@@ -15,6 +16,8 @@ start model and every checkpoint of the given runs this script measures, on one 
   KL analysis / KL action        exact per-token KL(start || checkpoint), nats, averaged over the positions of
                                  the start model's greedy analyses (teacher-forced) / of the episodes' sampled
                                  action tokens: how far each distribution moved from the start model;
+  by mistake                     for the household env, the failed episodes' greedy analyses naming the fix,
+                                 counted by the failure's first mistake (annotators.text_worlds.mistake_kind);
   syntax / words                 the mean change in log-prob of the start analyses' tokens under the checkpoint,
                                  split into JSON syntax tokens ({ } " : ,) and the rest.
 
@@ -68,11 +71,19 @@ def measure(policy, start, cfg, episodes, analyzer_prompts, start_analyses, samp
     greedy, _ = seed.analyze(policy, episodes, cfg.analysis_prompt_tokens, cfg.analysis_max_new_tokens, 0.0)
     torch.manual_seed(generator_seed)  # the same draws for every model's sampled analyses
     repeated = [t for t in episodes for _ in range(samples)]
-    sampled, _ = seed.analyze(policy, repeated, cfg.analysis_prompt_tokens, cfg.analysis_max_new_tokens, 1.0)
+    sampled = seed.analyze(policy, repeated, cfg.analysis_prompt_tokens, cfg.analysis_max_new_tokens,
+                           1.0)[0] if repeated else []
     names_fix = envs.spec(cfg.env).names_fix
     checks = [envs.load(names_fix)(t, s) for t, s in zip(repeated, sampled) if not t.won and s is not None] \
         if names_fix else []
     checks = [c for c in checks if c is not None]
+    by_kind = {}  # which failures the greedy analyses name the fix of: explored's fall in exp21 hid a trade between kinds
+    if names_fix == envs.TEXT_FIX:
+        from annotators.text_worlds import mistake_kind
+        for trajectory, skill in zip(episodes, greedy):
+            if not trajectory.won:
+                named, count = by_kind.get(mistake_kind(trajectory), (0, 0))
+                by_kind[mistake_kind(trajectory)] = (named + bool(envs.load(names_fix)(trajectory, skill)), count + 1)
     kl_analysis, change, mask = token_kl(start, policy, analyzer_prompts, start_analyses, policy.pad_id)
     action_prompts = [s.prompt_ids for t in episodes for s in t.steps]
     action_responses = [s.response_ids for t in episodes for s in t.steps]
@@ -82,7 +93,7 @@ def measure(policy, start, cfg, episodes, analyzer_prompts, start_analyses, samp
                            [0.0] * (mask.shape[1] - len(row)) for row in pieces]) * mask  # (B, R)
     mean = lambda values: sum(values) / max(1, len(values))
     row = {"parse_greedy": mean([s is None for s in greedy]), "parse_sampled": mean([s is None for s in sampled]),
-           "fixing_sampled": mean(checks) if checks else None,
+           "fixing_sampled": mean(checks) if checks else None, "fixing_greedy_by_kind": by_kind,
            "kl_analysis": float(kl_analysis.sum() / mask.sum()),
            "kl_action": float(kl_action.sum() / action_mask.sum()),
            "change_syntax": float((change * syntax).sum() / syntax.sum().clamp(min=1)),
@@ -99,7 +110,10 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run folders (each with config.json and checkpoints/)")
     parser.add_argument("--tasks", type=int, default=16, help="valid_seen episodes analyzed (default: 16)")
-    parser.add_argument("--samples", type=int, default=8, help="sampled analyses per episode (default: 8)")
+    parser.add_argument("--samples", type=int, default=8, help="sampled analyses per episode, 0 = greedy only "
+                        "(default: 8)")
+    parser.add_argument("--last-only", action="store_true", help="measure only each run's newest checkpoint "
+                        "(and the start model)")
     parser.add_argument("--analysis-max-new-tokens", type=int, default=None,
                         help="analyzer output tokens (default: the first run's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
@@ -131,13 +145,18 @@ def main():
         print(f"{name:<34} {row['parse_greedy']:>12.3f} {row['parse_sampled']:>13.3f} {fixing:>7} "
               f"{row['kl_analysis']:>11.4f} {row['kl_action']:>9.4f} {row['change_syntax']:>+7.3f} "
               f"{row['change_words']:>+7.3f}", flush=True)
+        if row["fixing_greedy_by_kind"]:
+            kinds = sorted(row["fixing_greedy_by_kind"].items())
+            named, count = (sum(pair[i] for _, pair in kinds) for i in (0, 1))
+            print(f"    greedy analyses naming the fix: {named}/{count}; by the failure's first mistake: " +
+                  ", ".join(f"{kind} {named}/{count}" for kind, (named, count) in kinds))
 
     show("start", measure(start, start, cfg, episodes, prompts, start_analyses, args.samples)[0])
     if any(len(a) >= cfg.analysis_max_new_tokens for a in start_analyses):
         print(f"note: some start analyses reach the {cfg.analysis_max_new_tokens}-token limit")
     last_tokens = {}
     for run in args.runs:
-        for folder in intact_checkpoints(run):
+        for folder in intact_checkpoints(run)[-1:] if args.last_only else intact_checkpoints(run):
             policy = load_policy(folder, "cpu", "float32")
             row, by_token = measure(policy, start, cfg, episodes, prompts, start_analyses, args.samples)
             show(f"{os.path.basename(run)} {os.path.basename(folder)}", row)

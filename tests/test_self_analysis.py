@@ -14,12 +14,12 @@ import torch
 import envs
 import seed
 import train
-from annotators.text_worlds import annotate, names_fix
+from annotators.text_worlds import annotate, mistake_kind, names_fix
 from evaluation import self_analysis
 from models.scoring import forward_logprobs, padded_logprobs, response_logprobs, response_mask
 from test_seed import FAILURES, TRAIN_FLAGS, fresh, read_lines, run_train
-from training.analyzer import (ANALYZER_LR_SCALE, analyzer_examples, analyzer_step, centered_teacher, teacher_anchor,
-                               teacher_rl, token_deltas, trajectory_deltas)
+from training.analyzer import (ANALYZER_LR_SCALE, EXPLORE_SAMPLES, analyzer_examples, analyzer_step, centered_teacher,
+                               teacher_anchor, teacher_rl, token_deltas, trajectory_deltas)
 
 
 def probe_config(**flags):
@@ -90,6 +90,10 @@ def test_names_fix_reads_the_first_decisive_mistake():
     assert names_fix(closed, "The apple was in drawer 2: open closed drawers.") is True
     won = FAILURES["never found"][0]
     assert names_fix(seed.Trajectory(won=True, gt=won.gt), "anything at all") is None
+    # the kind it reads, which experiments/analyzer_drift.py counts the fixing skills by
+    assert [mistake_kind(FAILURES[name][0]) for name in ("placed before heating", "closed not opened")] == [
+        "placed_early", "closed"]
+    assert mistake_kind(seed.Trajectory(won=True, gt=won.gt)) is None
 
 
 def test_every_evaluation_reports_the_probe_and_the_final_summary_line(tiny, tmp_path, capsys):
@@ -147,8 +151,9 @@ def test_the_start_analyzer_never_changes_while_the_policy_does(tiny, tmp_path, 
     assert len(used) == 3 and not all(torch.equal(a, b) for a, b in zip(used[0], used[-1]))
 
 
-@pytest.mark.parametrize("kind", ["confirmed", "explored", "confirmed-and-explored", "lift", "anchor"])
-def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kind, tmp_path, capsys):
+@pytest.mark.parametrize("kind", ["confirmed", "explored", "confirmed-and-explored", "explored-where-wrong", "lift",
+                                  "anchor"])
+def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kind, tmp_path, monkeypatch):
     policy = fresh(tiny[0])
     cfg = probe_config()
     rows = seed.step_rows(trajectories, ["Heat the apple with microwave 1 first."] * len(trajectories))
@@ -164,6 +169,16 @@ def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kin
         confirmed, both = (analyzer_examples(name, policy, policy, cfg, trajectories, right, texts, rows, teacher,
                                              has_teacher) for name in ("confirmed", kind))
         assert confirmed and len(both) >= min(len(confirmed), cfg.sft_batch_size), (len(confirmed), len(both))
+    if kind == "explored-where-wrong":  # it samples analyses of the failures its greedy analyzer got wrong only
+        from annotators.text_worlds import annotate
+        sampled, analyze = [], seed.analyze
+        monkeypatch.setattr(seed, "analyze", lambda policy, given, *a, **k: sampled.append(len(given)) or analyze(
+            policy, given, *a, **k))
+        for greedy in ([annotate(t)[1] for t in trajectories], skill_list):  # right on every failure, then wrong
+            analyzer_examples(kind, policy, policy, cfg, trajectories, greedy, texts, rows, teacher, has_teacher)
+        failures = sum(not t.won for t in trajectories)
+        assert failures and sampled == [failures * EXPLORE_SAMPLES], (failures, sampled)
+        monkeypatch.undo()
     if kind == "lift":
         deltas = trajectory_deltas(rows, teacher, has_teacher)
         assert len(chosen) == sum((deltas[i] > 0) == t.won for i, t in enumerate(trajectories) if i in deltas)

@@ -14,9 +14,12 @@ experiments/analyzer_drift.py). Which analyses:
              confirmed can sharpen what it already writes, never find the fix it seldom writes (the version-10
              start model names the skipped step in 1 of 35 habit failures greedily, 14 of 140 sampled);
   confirmed-and-explored  both pools at once: explored alone lowered the probe's fixing share on two fresh seeds
-             of three (exp21: 0.526 -> 0.263, 0.316), since what it samples right is seldom what the greedy analyzer
-             already gets right (the loop warnings that name the admissible commands); the update's confirmed greedy
-             analyses keep those in the step;
+             of three (exp21: 0.526 -> 0.263, 0.316); the update's greedy analyses that name the fix join the step
+             (they are almost all loop warnings naming the admissible commands);
+  explored-where-wrong  explored, but only of the failures whose greedy analysis misses the fix: the others' samples
+             are loop warnings the analyzer already writes (on 96 start-model episodes its greedy analyses name the
+             fix of 32 of 36 invalid-command failures and 6 of 23 habit failures, experiments/analyzer_drift.py),
+             so explored's step was mostly more of those;
   anchor     the start model's analyses of this update's trajectories: it pulls the analysis tokens back towards
              the start analyzer (an anchor on those tokens alone, where the KL term covers the action tokens).
 
@@ -91,15 +94,17 @@ def analyzer_examples(kind, policy, start, cfg, trajectories, skill_list, texts,
         start_skills, start_texts = seed.analyze(start, trajectories, cfg.analysis_prompt_tokens,
                                                  cfg.analysis_max_new_tokens, 0.0, desc="anchor analyses")
         chosen = [(t, text) for t, s, text in zip(trajectories, start_skills, start_texts) if s is not None]
-    elif kind in ("confirmed", "explored", "confirmed-and-explored"):
+    elif kind in ("confirmed", "explored", "confirmed-and-explored", "explored-where-wrong"):
         names_fix = envs.spec(cfg.env).names_fix
         check = envs.load(names_fix) if names_fix else (lambda trajectory, skill: None)
-        pool = [] if kind == "explored" else list(zip(trajectories, skill_list, texts))
+        pool = list(zip(trajectories, skill_list, texts)) if kind.startswith("confirmed") else []
         if kind != "confirmed":  # fresh sampled analyses of the failures (successes have nothing to fix)
-            failed = [t for t in trajectories if not t.won] * EXPLORE_SAMPLES
-            sampled_skills, sampled_texts = seed.analyze(policy, failed, cfg.analysis_prompt_tokens,
-                                                         cfg.analysis_max_new_tokens, 1.0, desc="explored analyses")
-            pool += zip(failed, sampled_skills, sampled_texts)
+            failed = [t for t, s in zip(trajectories, skill_list) if not t.won and (
+                kind != "explored-where-wrong" or not check(t, s))] * EXPLORE_SAMPLES
+            if failed:
+                sampled_skills, sampled_texts = seed.analyze(policy, failed, cfg.analysis_prompt_tokens,
+                                                             cfg.analysis_max_new_tokens, 1.0, desc="explored analyses")
+                pool += zip(failed, sampled_skills, sampled_texts)
         chosen = [(t, text) for t, s, text in pool if s is not None and check(t, s)]
     elif kind == "lift":
         deltas = trajectory_deltas(rows, teacher_logp, has_teacher)
