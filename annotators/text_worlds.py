@@ -331,7 +331,8 @@ def names_fix(trajectory, skill):
     probe's "fixing skills"): the first decisive mistake, as the annotator finds it, and the words that fix it --
     the verb or appliance of a skipped or wrong heat / cool / clean step, the object a wrong one was taken
     instead of, the closed or unchecked place where the object was, the commands to use instead of ones that did
-    nothing. None for a success (nothing to fix); False for a skill that did not parse."""
+    nothing (not inside a quoted command the env refused). None for a success (nothing to fix); False for a skill
+    that did not parse."""
     if trajectory.won or not isinstance(trajectory.gt, dict):
         return None
     if not skill:
@@ -348,4 +349,7 @@ def names_fix(trajectory, skill):
                             "second": ["second", "two", "another"], "place": [facts["target"]],
                             "finish": [facts["goal"]]}.get(details.get("stage"), [])}[name]
     text = skill.lower()
+    for step in trajectory.steps:  # a warning that quotes a refused command does not name the fix, even when the
+        if not step.valid and step.action:  # command names the appliance ("'cool tomato 1' did nothing")
+            text = text.replace(f"'{step.action.lower()}'", " ")
     return any(word and word.lower() in text for word in fixes)

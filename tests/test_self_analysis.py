@@ -17,7 +17,7 @@ import train
 from annotators.text_worlds import annotate, mistake_kind, names_fix
 from evaluation import self_analysis
 from models.scoring import forward_logprobs, padded_logprobs, response_logprobs, response_mask
-from test_seed import FAILURES, TRAIN_FLAGS, fresh, read_lines, run_train
+from test_seed import FAILURES, NOTHING, PICKED, TO_DRAWER_2, TRAIN_FLAGS, episode, fresh, on, read_lines, run_train
 from training.analyzer import (ANALYZER_LR_SCALE, EXPLORE_SAMPLES, analyzer_examples, analyzer_step, centered_teacher,
                                teacher_anchor, teacher_rl, token_deltas, trajectory_deltas)
 
@@ -90,6 +90,12 @@ def test_names_fix_reads_the_first_decisive_mistake():
     assert names_fix(closed, "The apple was in drawer 2: open closed drawers.") is True
     won = FAILURES["never found"][0]
     assert names_fix(seed.Trajectory(won=True, gt=won.gt), "anything at all") is None
+    # a loop warning quoting a refused command that names the appliance is not the fix (before, it counted as one)
+    tried = episode(TO_DRAWER_2 + [(PICKED, "heat apple 1 with microwave 1", False), (NOTHING, "go to countertop 1"),
+                                   (on("countertop 1", "a bread 1"), "move apple 1 to countertop 1")])
+    assert mistake_kind(tried) == "placed_early"
+    assert names_fix(tried, "Warning sign: 'Nothing happens.' after 'heat apple 1 with microwave 1'.") is False
+    assert names_fix(tried, "Heat it with microwave 1 first: 'heat apple 1 with microwave 1' did nothing.") is True
     # the kind it reads, which experiments/analyzer_drift.py counts the fixing skills by
     assert [mistake_kind(FAILURES[name][0]) for name in ("placed before heating", "closed not opened")] == [
         "placed_early", "closed"]
