@@ -74,16 +74,17 @@ def measure(policy, start, cfg, episodes, analyzer_prompts, start_analyses, samp
     sampled = seed.analyze(policy, repeated, cfg.analysis_prompt_tokens, cfg.analysis_max_new_tokens,
                            1.0)[0] if repeated else []
     names_fix = envs.spec(cfg.env).names_fix
-    checks = [envs.load(names_fix)(t, s) for t, s in zip(repeated, sampled) if not t.won and s is not None] \
-        if names_fix else []
+    check = envs.load(names_fix) if names_fix else None
+    checks = [check(t, s) for t, s in zip(repeated, sampled) if not t.won and s is not None] if check else []
     checks = [c for c in checks if c is not None]
-    by_kind = {}  # which failures the greedy analyses name the fix of: explored's fall in exp21 hid a trade between kinds
+    by_kind = {}  # which failures the greedy analyses name the fix of (explored traded one kind for another)
     if names_fix == envs.TEXT_FIX:
         from annotators.text_worlds import mistake_kind
         for trajectory, skill in zip(episodes, greedy):
             if not trajectory.won:
-                named, count = by_kind.get(mistake_kind(trajectory), (0, 0))
-                by_kind[mistake_kind(trajectory)] = (named + bool(envs.load(names_fix)(trajectory, skill)), count + 1)
+                kind = mistake_kind(trajectory)
+                named, count = by_kind.get(kind, (0, 0))
+                by_kind[kind] = (named + bool(check(trajectory, skill)), count + 1)
     kl_analysis, change, mask = token_kl(start, policy, analyzer_prompts, start_analyses, policy.pad_id)
     action_prompts = [s.prompt_ids for t in episodes for s in t.steps]
     action_responses = [s.response_ids for t in episodes for s in t.steps]

@@ -170,13 +170,11 @@ def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kin
                                has_teacher)
     assert all(prompt.startswith("Analyze the agent's episode.") for prompt, _ in chosen)
     if kind == "confirmed-and-explored":  # the update's greedy analyses that name the fix stay in the step
-        from annotators.text_worlds import annotate
         right = [annotate(t)[1] for t in trajectories]  # the ground truth's skills name the fix of every failure
         confirmed, both = (analyzer_examples(name, policy, policy, cfg, trajectories, right, texts, rows, teacher,
                                              has_teacher) for name in ("confirmed", kind))
         assert confirmed and len(both) >= min(len(confirmed), cfg.sft_batch_size), (len(confirmed), len(both))
     if kind == "explored-where-wrong":  # it samples analyses of the failures its greedy analyzer got wrong only
-        from annotators.text_worlds import annotate
         sampled, analyze = [], seed.analyze
         monkeypatch.setattr(seed, "analyze", lambda policy, given, *a, **k: sampled.append(len(given)) or analyze(
             policy, given, *a, **k))
