@@ -331,8 +331,9 @@ def names_fix(trajectory, skill):
     probe's "fixing skills"): the first decisive mistake, as the annotator finds it, and the words that fix it --
     the verb or appliance of a skipped or wrong heat / cool / clean step, the object a wrong one was taken
     instead of, the closed or unchecked place where the object was, the commands to use instead of ones that did
-    nothing (not inside a quoted command the env refused). None for a success (nothing to fix); False for a skill
-    that did not parse."""
+    nothing (not inside a quoted command the env refused). A verb, appliance or object counts only outside quotes:
+    a warning that quotes a command ("'examine microwave 1' did nothing") reports it, it does not say what to do.
+    None for a success (nothing to fix); False for a skill that did not parse."""
     if trajectory.won or not isinstance(trajectory.gt, dict):
         return None
     if not skill:
@@ -349,6 +350,8 @@ def names_fix(trajectory, skill):
                             "second": ["second", "two", "another"], "place": [facts["target"]],
                             "finish": [facts["goal"]]}.get(details.get("stage"), [])}[name]
     text = skill.lower()
+    if name in ("wrong_tool", "placed_early", "wrong_object") or details.get("stage") == "transform":
+        text = re.sub(r"'[^']*'", " ", text)  # 11 of the 21 sampled start-model habit analyses that passed quoted
     for step in trajectory.steps:  # a warning that quotes a refused command does not name the fix, even when the
         if not step.valid and step.action:  # command names the appliance ("'cool tomato 1' did nothing")
             text = text.replace(f"'{step.action.lower()}'", " ")

@@ -52,6 +52,7 @@ ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the 
         "analyzer-explored": ["--analyzer-training", "explored"],
         "analyzer-confirmed-and-explored": ["--analyzer-training", "confirmed-and-explored"],
         "analyzer-explored-where-wrong": ["--analyzer-training", "explored-where-wrong"],
+        "analyzer-explored-balanced": ["--analyzer-training", "explored-balanced"],
         "analyzer-lift": ["--analyzer-training", "lift"],
         "analyzer-anchor": ["--analyzer-training", "anchor"],
         "teacher-anchor": ["--teacher-anchor", "1.0"],  # keeps the teacher's response to skills during RL

@@ -13,6 +13,7 @@ import torch
 
 import envs
 import seed
+import skills
 import train
 from annotators.text_worlds import annotate, mistake_kind, names_fix
 from evaluation import self_analysis
@@ -96,6 +97,9 @@ def test_names_fix_reads_the_first_decisive_mistake():
     assert mistake_kind(tried) == "placed_early"
     assert names_fix(tried, "Warning sign: 'Nothing happens.' after 'heat apple 1 with microwave 1'.") is False
     assert names_fix(tried, "Heat it with microwave 1 first: 'heat apple 1 with microwave 1' did nothing.") is True
+    # nor is one quoting a command the episode never issued, or the wrong appliance's command
+    assert names_fix(placed, "Do not repeat what answers 'Nothing happens.': 'examine microwave 1' did nothing.") is False
+    assert names_fix(placed, "Wrong appliance: 'cool apple 1 with fridge 1'. To heat it, go to microwave 1.") is True
     # the kind it reads, which experiments/analyzer_drift.py counts the fixing skills by
     assert [mistake_kind(FAILURES[name][0]) for name in ("placed before heating", "closed not opened")] == [
         "placed_early", "closed"]
@@ -157,8 +161,8 @@ def test_the_start_analyzer_never_changes_while_the_policy_does(tiny, tmp_path, 
     assert len(used) == 3 and not all(torch.equal(a, b) for a, b in zip(used[0], used[-1]))
 
 
-@pytest.mark.parametrize("kind", ["confirmed", "explored", "confirmed-and-explored", "explored-where-wrong", "lift",
-                                  "anchor"])
+@pytest.mark.parametrize("kind", ["confirmed", "explored", "confirmed-and-explored", "explored-where-wrong",
+                                  "explored-balanced", "lift", "anchor"])
 def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kind, tmp_path, monkeypatch):
     policy = fresh(tiny[0])
     cfg = probe_config()
@@ -182,6 +186,19 @@ def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kin
             analyzer_examples(kind, policy, policy, cfg, trajectories, greedy, texts, rows, teacher, has_teacher)
         failures = sum(not t.won for t in trajectories)
         assert failures and sampled == [failures * EXPLORE_SAMPLES], (failures, sampled)
+        monkeypatch.undo()
+    if kind == "explored-balanced":  # as many new fixes (greedy missed) as known ones (greedy named it)
+        right = [annotate(t)[1] for t in trajectories]
+        monkeypatch.setattr(seed, "analyze", lambda policy, given, *a, **k: (
+            [annotate(t)[1] for t in given], [json.dumps({"episode_skill": annotate(t)[1]}) for t in given]))
+        failed = [i for i, t in enumerate(trajectories) if not t.won]
+        greedy = ["Look around the room carefully." if i == failed[0] else right[i] for i in range(len(right))]
+        chosen = analyzer_examples(kind, policy, policy, cfg, trajectories, greedy, texts, rows, teacher,
+                                   has_teacher)
+        missed_prompt = skills.analyzer_prompt(trajectories[failed[0]], cfg.analysis_prompt_tokens,
+                                               policy.count_tokens)
+        new = sum(prompt == missed_prompt for prompt, _ in chosen)
+        assert len(failed) >= 2 and new == EXPLORE_SAMPLES and len(chosen) == 2 * new, (len(failed), new, len(chosen))
         monkeypatch.undo()
     if kind == "lift":
         deltas = trajectory_deltas(rows, teacher, has_teacher)

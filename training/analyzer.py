@@ -20,6 +20,9 @@ experiments/analyzer_drift.py). Which analyses:
              are loop warnings the analyzer already writes (on 96 start-model episodes its greedy analyses name the
              fix of 32 of 36 invalid-command failures and 6 of 23 habit failures, experiments/analyzer_drift.py),
              so explored's step was mostly more of those;
+  explored-balanced  explored-where-wrong's examples plus as many of explored's from the failures whose greedy
+             analysis already names the fix: where-wrong learned new fixes and lost old ones (on 96 episodes, the
+             invalid-command failures named 35 and 32 of 36 after two runs); this rehearses the old beside each new;
   anchor     the start model's analyses of this update's trajectories: it pulls the analysis tokens back towards
              the start analyzer (an anchor on those tokens alone, where the KL term covers the action tokens).
 
@@ -94,7 +97,7 @@ def analyzer_examples(kind, policy, start, cfg, trajectories, skill_list, texts,
         start_skills, start_texts = seed.analyze(start, trajectories, cfg.analysis_prompt_tokens,
                                                  cfg.analysis_max_new_tokens, 0.0, desc="anchor analyses")
         chosen = [(t, text) for t, s, text in zip(trajectories, start_skills, start_texts) if s is not None]
-    elif kind in ("confirmed", "explored", "confirmed-and-explored", "explored-where-wrong"):
+    elif kind in ("confirmed", "explored", "confirmed-and-explored", "explored-where-wrong", "explored-balanced"):
         names_fix = envs.spec(cfg.env).names_fix
         check = envs.load(names_fix) if names_fix else (lambda trajectory, skill: None)
         pool = list(zip(trajectories, skill_list, texts)) if kind.startswith("confirmed") else []
@@ -106,6 +109,13 @@ def analyzer_examples(kind, policy, start, cfg, trajectories, skill_list, texts,
                                                              cfg.analysis_max_new_tokens, 1.0, desc="explored analyses")
                 pool += zip(failed, sampled_skills, sampled_texts)
         chosen = [(t, text) for t, s, text in pool if s is not None and check(t, s)]
+        if kind == "explored-balanced":  # each new fix beside one the analyzer already writes, at most half each
+            missed = {id(t) for t, s in zip(trajectories, skill_list) if not t.won and not check(t, s)}
+            new_fixes = [pair for pair in chosen if id(pair[0]) in missed]
+            known_fixes = [pair for pair in chosen if id(pair[0]) not in missed]
+            count = min(len(new_fixes), len(known_fixes), cfg.sft_batch_size // 2)
+            draw = random.Random(seed_value)
+            chosen = draw.sample(new_fixes, count) + draw.sample(known_fixes, count)
     elif kind == "lift":
         deltas = trajectory_deltas(rows, teacher_logp, has_teacher)
         chosen = [(t, text) for index, (t, s, text) in enumerate(zip(trajectories, skill_list, texts))

@@ -55,7 +55,7 @@ def add_plumbing_flags(add, defaults, max_steps):
         "ground truth (the bound: a perfect analyzer)", choices=["own", "shuffled", "annotator"])
     add("--analyzer-training", "none", "beyond the paper: one SFT step per update on chosen analyses "
         "(training/analyzer.py)", choices=["none", "confirmed", "explored", "confirmed-and-explored",
-                                           "explored-where-wrong", "lift", "anchor"])
+                                           "explored-where-wrong", "explored-balanced", "lift", "anchor"])
     add("--teacher-anchor", 0.0, "beyond the paper: weight of a k3 KL to the start model on the sampled tokens "
         "with the skill in context, so RL keeps the teacher's response to skills (training/analyzer.py)")
     add("--teacher-anchor-target", "start", "what --teacher-anchor holds the teacher to: the start model's teacher, or "
