@@ -53,6 +53,7 @@ ARMS = {"seed": [], "grpo": ["--algo", "grpo"],  # seed: the tiny defaults, the 
         "analyzer-confirmed-and-explored": ["--analyzer-training", "confirmed-and-explored"],
         "analyzer-explored-where-wrong": ["--analyzer-training", "explored-where-wrong"],
         "analyzer-explored-balanced": ["--analyzer-training", "explored-balanced"],
+        "analyzer-explored-balanced-8": ["--analyzer-training", "explored-balanced", "--explore-samples", "8"],
         "analyzer-lift": ["--analyzer-training", "lift"],
         "analyzer-anchor": ["--analyzer-training", "anchor"],
         "teacher-anchor": ["--teacher-anchor", "1.0"],  # keeps the teacher's response to skills during RL

@@ -19,7 +19,7 @@ from annotators.text_worlds import annotate, mistake_kind, names_fix
 from evaluation import self_analysis
 from models.scoring import forward_logprobs, padded_logprobs, response_logprobs, response_mask
 from test_seed import FAILURES, NOTHING, PICKED, TO_DRAWER_2, TRAIN_FLAGS, episode, fresh, on, read_lines, run_train
-from training.analyzer import (ANALYZER_LR_SCALE, EXPLORE_SAMPLES, analyzer_examples, analyzer_step, centered_teacher,
+from training.analyzer import (ANALYZER_LR_SCALE, analyzer_examples, analyzer_step, centered_teacher,
                                teacher_anchor, teacher_rl, token_deltas, trajectory_deltas)
 
 
@@ -185,7 +185,7 @@ def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kin
         for greedy in ([annotate(t)[1] for t in trajectories], skill_list):  # right on every failure, then wrong
             analyzer_examples(kind, policy, policy, cfg, trajectories, greedy, texts, rows, teacher, has_teacher)
         failures = sum(not t.won for t in trajectories)
-        assert failures and sampled == [failures * EXPLORE_SAMPLES], (failures, sampled)
+        assert failures and sampled == [failures * cfg.explore_samples], (failures, sampled)
         monkeypatch.undo()
     if kind == "explored-balanced":  # as many new fixes (greedy missed) as known ones (greedy named it)
         right = [annotate(t)[1] for t in trajectories]
@@ -198,7 +198,7 @@ def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kin
         missed_prompt = skills.analyzer_prompt(trajectories[failed[0]], cfg.analysis_prompt_tokens,
                                                policy.count_tokens)
         new = sum(prompt == missed_prompt for prompt, _ in chosen)
-        assert len(failed) >= 2 and new == EXPLORE_SAMPLES and len(chosen) == 2 * new, (len(failed), new, len(chosen))
+        assert len(failed) >= 2 and new == cfg.explore_samples and len(chosen) == 2 * new, (len(failed), new, len(chosen))
         monkeypatch.undo()
     if kind == "lift":
         deltas = trajectory_deltas(rows, teacher, has_teacher)

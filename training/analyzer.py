@@ -9,7 +9,7 @@ experiments/analyzer_drift.py). Which analyses:
   lift       the policy's own analyses whose skill moved its own trajectory's teacher the right way: the mean
              delta over the trajectory's sampled tokens above 0 for a success (the skill endorses what worked),
              below 0 for a failure (it disowns what failed): an analyzer that learns from its own results;
-  explored   like confirmed, but from EXPLORE_SAMPLES extra analyses of each failed trajectory sampled at
+  explored   like confirmed, but from --explore-samples extra analyses of each failed trajectory sampled at
              temperature 1 (the teacher keeps the update's greedy ones): a greedy analyzer only repeats itself, so
              confirmed can sharpen what it already writes, never find the fix it seldom writes (the version-10
              start model names the skipped step in 1 of 35 habit failures greedily, 14 of 140 sampled);
@@ -18,7 +18,7 @@ experiments/analyzer_drift.py). Which analyses:
              (they are almost all loop warnings naming the admissible commands);
   explored-where-wrong  explored, but only of the failures whose greedy analysis misses the fix: the others' samples
              are loop warnings the analyzer already writes (on 96 start-model episodes its greedy analyses name the
-             fix of 32 of 36 invalid-command failures and 6 of 23 habit failures, experiments/analyzer_drift.py),
+             fix of 32 of 36 invalid-command failures and 5 of 23 habit failures, experiments/analyzer_drift.py),
              so explored's step was mostly more of those;
   explored-balanced  explored-where-wrong's examples plus as many of explored's from the failures whose greedy
              analysis already names the fix: where-wrong learned new fixes and lost old ones (on 96 episodes, the
@@ -53,7 +53,6 @@ import seed
 import skills
 from models.scoring import forward_logprobs, micro_batches, padded_logprobs, response_logprobs, response_mask
 
-EXPLORE_SAMPLES = 2  # sampled analyses per failed trajectory for --analyzer-training explored
 # the analyzer's step runs at 3x the RL rate: offline, from the version-10 start model, 20 explored steps (measured
 # every 5) at the tiny rate 1e-4 left it as it was (greedy skills naming the fix: 4-7 of 29 habit failures from 5;
 # 9-10 of the probe's 19 failures from 10), at 3e-4 they moved it a little (5-10 of 29; 9-12 of 19), and at 1e-3
@@ -103,7 +102,7 @@ def analyzer_examples(kind, policy, start, cfg, trajectories, skill_list, texts,
         pool = list(zip(trajectories, skill_list, texts)) if kind.startswith("confirmed") else []
         if kind != "confirmed":  # fresh sampled analyses of the failures (successes have nothing to fix)
             failed = [t for t, s in zip(trajectories, skill_list) if not t.won and (
-                kind != "explored-where-wrong" or not check(t, s))] * EXPLORE_SAMPLES
+                kind != "explored-where-wrong" or not check(t, s))] * cfg.explore_samples
             if failed:
                 sampled_skills, sampled_texts = seed.analyze(policy, failed, cfg.analysis_prompt_tokens,
                                                              cfg.analysis_max_new_tokens, 1.0, desc="explored analyses")
