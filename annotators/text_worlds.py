@@ -351,7 +351,7 @@ def names_fix(trajectory, skill):
                             "finish": [facts["goal"]]}.get(details.get("stage"), [])}[name]
     text = skill.lower()
     if name in ("wrong_tool", "placed_early", "wrong_object") or details.get("stage") == "transform":
-        text = re.sub(r"'[^']*'", " ", text)  # 11 of the 21 sampled start-model habit analyses that passed quoted
+        text = re.sub(r"'[^']*'", " ", text)  # 11 of 21 start-model habit "fixes" named it only inside quotes
     for step in trajectory.steps:  # a warning that quotes a refused command does not name the fix, even when the
         if not step.valid and step.action:  # command names the appliance ("'cool tomato 1' did nothing")
             text = text.replace(f"'{step.action.lower()}'", " ")

@@ -97,8 +97,9 @@ def test_names_fix_reads_the_first_decisive_mistake():
     assert mistake_kind(tried) == "placed_early"
     assert names_fix(tried, "Warning sign: 'Nothing happens.' after 'heat apple 1 with microwave 1'.") is False
     assert names_fix(tried, "Heat it with microwave 1 first: 'heat apple 1 with microwave 1' did nothing.") is True
-    # nor is one quoting a command the episode never issued, or the wrong appliance's command
-    assert names_fix(placed, "Do not repeat what answers 'Nothing happens.': 'examine microwave 1' did nothing.") is False
+    # nor is one quoting a command the episode never issued; a fix after a quoted wrong command still counts
+    assert names_fix(placed, "Do not repeat what answers 'Nothing happens.': 'examine microwave 1' did nothing.") \
+        is False
     assert names_fix(placed, "Wrong appliance: 'cool apple 1 with fridge 1'. To heat it, go to microwave 1.") is True
     # the kind it reads, which experiments/analyzer_drift.py counts the fixing skills by
     assert [mistake_kind(FAILURES[name][0]) for name in ("placed before heating", "closed not opened")] == [
@@ -198,7 +199,8 @@ def test_analyzer_training_chooses_its_analyses_and_runs(tiny, trajectories, kin
         missed_prompt = skills.analyzer_prompt(trajectories[failed[0]], cfg.analysis_prompt_tokens,
                                                policy.count_tokens)
         new = sum(prompt == missed_prompt for prompt, _ in chosen)
-        assert len(failed) >= 2 and new == cfg.explore_samples and len(chosen) == 2 * new, (len(failed), new, len(chosen))
+        assert len(failed) >= 2 and new == cfg.explore_samples and len(chosen) == 2 * new, (
+            len(failed), new, len(chosen))
         monkeypatch.undo()
     if kind == "lift":
         deltas = trajectory_deltas(rows, teacher, has_teacher)

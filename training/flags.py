@@ -13,10 +13,10 @@ HUB_NAME = re.compile(r"[\w-][\w.-]*/[\w-][\w.-]*|[\w-][\w.-]*")  # the Hub's "o
 AT_LEAST_ONE = ("updates", "tasks_per_update", "group_size", "max_new_tokens", "max_batch_tokens", "eval_every",
                 "save_every", "keep_checkpoints", "eval_tasks", "analysis_max_new_tokens", "max_prompt_tokens",
                 "max_steps", "mini_batches")
-AT_LEAST = {"warmup_analyzer_share": 0, "threads": 0, "history_window": 0, "sft_tasks": 1, "sft_rollouts": 1, "sft_epochs": 0, "sft_batch_size": 1, "explore_samples": 1, "warmup_steps": 0, "analysis_prompt_tokens": 1,
+AT_LEAST = {"warmup_analyzer_share": 0, "threads": 0, "history_window": 0, "sft_tasks": 1, "sft_rollouts": 1, "sft_epochs": 0, "sft_batch_size": 1, "warmup_steps": 0, "analysis_prompt_tokens": 1,
             "analysis_temperature": 0, "eval_temperature": 0, "weight_decay": 0, "kl_coef": 0, "entropy_coef": 0,
             "invalid_penalty": 0, "clip_low": 0, "clip_high": 0, "env_timeout": 0, "distill_coef": 0,
-            "train_tasks": 0, "teacher_anchor": 0, "teacher_rl": 0}
+            "train_tasks": 0, "teacher_anchor": 0, "teacher_rl": 0, "explore_samples": 1}
 ABOVE_ZERO = {"temperature": "the update re-scores the samples at this temperature", "grad_clip": "",
               "gate_beta": "", "sft_lr": "", "lr": ""}
 
