@@ -352,7 +352,8 @@ def names_fix(trajectory, skill):
     text = skill.lower()
     if name in ("wrong_tool", "placed_early", "wrong_object") or details.get("stage") == "transform":
         text = re.sub(r"'[^']*'", " ", text)  # 11 of 21 start-model habit "fixes" named it only inside quotes
-    for step in trajectory.steps:  # a warning that quotes a refused command does not name the fix, even when the
-        if not step.valid and step.action:  # command names the appliance ("'cool tomato 1' did nothing")
-            text = text.replace(f"'{step.action.lower()}'", " ")
+    else:  # a command fix ("open", "admissible") does not count inside a quoted command the env refused
+        for step in trajectory.steps:
+            if not step.valid and step.action:
+                text = text.replace(f"'{step.action.lower()}'", " ")
     return any(word and word.lower() in text for word in fixes)

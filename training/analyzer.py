@@ -11,8 +11,8 @@ experiments/analyzer_drift.py). Which analyses:
              below 0 for a failure (it disowns what failed): an analyzer that learns from its own results;
   explored   like confirmed, but from --explore-samples extra analyses of each failed trajectory sampled at
              temperature 1 (the teacher keeps the update's greedy ones): a greedy analyzer only repeats itself, so
-             confirmed can sharpen what it already writes, never find the fix it seldom writes (the version-10
-             start model names the skipped step in 1 of 35 habit failures greedily, 14 of 140 sampled);
+             confirmed can sharpen what it already writes, never find the fix it seldom writes (on 96 episodes the
+             version-10 start model names the habit's fix for 5 of 23 habit failures greedily, 10 of 92 sampled);
   confirmed-and-explored  both pools at once: explored alone lowered the probe's fixing share on two fresh seeds
              of three (exp21: 0.526 -> 0.263, 0.316); the update's greedy analyses that name the fix join the step
              (they are almost all loop warnings naming the admissible commands);

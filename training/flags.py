@@ -56,8 +56,8 @@ def add_plumbing_flags(add, defaults, max_steps):
     add("--analyzer-training", "none", "beyond the paper: one SFT step per update on chosen analyses "
         "(training/analyzer.py)", choices=["none", "confirmed", "explored", "confirmed-and-explored",
                                            "explored-where-wrong", "explored-balanced", "lift", "anchor"])
-    add("--explore-samples", 2, "sampled analyses per failed trajectory for the explored kinds of --analyzer-training: "
-        "at the start model's rate about 1 in 9 of a habit failure's names its fix (training/analyzer.py)")
+    add("--explore-samples", 2, "sampled analyses per failed trajectory for the explored kinds of "
+        "--analyzer-training (the start model names a habit failure's fix in about 1 sample of 9)")
     add("--teacher-anchor", 0.0, "beyond the paper: weight of a k3 KL to the start model on the sampled tokens "
         "with the skill in context, so RL keeps the teacher's response to skills (training/analyzer.py)")
     add("--teacher-anchor-target", "start", "what --teacher-anchor holds the teacher to: the start model's teacher, or "
