@@ -19,7 +19,9 @@ Every run starts from the same cached warm-start (train.py --warmup-seed), gets 
 and valid_unseen. The table (mean and spread over seeds against training episodes), the episodes SEED
 needs to reach GRPO's final success, and the analyzer parse rate and delta statistics over training go
 to <root>/experiment.md, plus experiment.png when matplotlib is installed. Extra arguments after `--`
-go to every train.py run (e.g. -- --distill-coef 0.1 --distill-mode gated).
+go to every train.py run (e.g. -- --distill-coef 0.1 --distill-mode gated). On a --root that holds runs, a
+finished one is reused, one that finished fewer --updates or was killed after a checkpoint is continued
+(train.py --resume, exactly as if it had not stopped), and --rerun starts them over.
 """
 import argparse
 import html
@@ -98,21 +100,45 @@ def run_all(args, extra):
         for arm in args.arms:
             out_dir = os.path.join(args.root, f"{arm}-{seed_value}")
             runs.append((arm, seed_value, out_dir))
-            if os.path.exists(os.path.join(out_dir, "summary.json")) and not args.rerun:
+            how = plan_run(out_dir, args.updates, args.rerun)
+            if how == "reuse":
                 print(f"{out_dir}: done before, reusing (--rerun to redo)")
                 continue
             command = [sys.executable, os.path.join(REPO, "train.py"), "--seed", str(seed_value),
-                       "--out-dir", out_dir, "--overwrite", "--updates", str(args.updates),
+                       "--out-dir", out_dir, "--" + how, "--updates", str(args.updates),
                        "--eval-every", str(args.eval_every)] + ARMS[arm] + shared
             while len(running) >= args.jobs:
                 wait(running.pop(0))
             print("running:", " ".join(command), flush=True)
-            log = open(out_dir + ".log", "w") if args.jobs > 1 else None
+            log = open(out_dir + ".log", "a" if how == "resume" else "w") if args.jobs > 1 else None
             running.append((subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None,
                                              env=environment), command, log))
     for process in running:
         wait(process)
     return runs
+
+
+def plan_run(out_dir, updates, rerun=False):
+    """What run_all does with one run folder: "overwrite" (start it over: --rerun, or nothing to continue),
+    "reuse" (it finished at --updates) or "resume" (train.py --resume continues it exactly: a run killed before
+    its end, or one that finished fewer updates, so a budget raised on the same --root trains only the new
+    updates). A run past --updates is refused: its table would mix budgets."""
+    from training.checkpoints import intact_checkpoints
+    summary = os.path.join(out_dir, "summary.json")
+    if rerun or not os.path.isdir(out_dir):
+        return "overwrite"
+    if os.path.exists(summary):
+        with open(summary) as file:
+            trained = max((row.get("update", 0) for row in json.load(file).get("eval", [])), default=0)
+    else:  # killed: its newest checkpoint's update (folders are named update_000015)
+        saved = intact_checkpoints(out_dir)
+        if not saved:
+            return "overwrite"
+        trained = int(os.path.basename(saved[-1]).split("_")[1])
+    if trained > updates:
+        raise SystemExit(f"{out_dir} trained {trained} updates, more than --updates {updates}: use --rerun or "
+                         "another --root")
+    return "reuse" if trained == updates and os.path.exists(summary) else "resume"
 
 
 def wait(running_run):
@@ -671,7 +697,8 @@ def main(argv=None):
     p.add_argument("--root", default="out/experiment", help="one sub-folder per run, plus the table")
     p.add_argument("--cache-dir", default="cache", help="where the shared warm-start is cached")
     p.add_argument("--warmup-seed", type=int, default=0, help="the one warm-start all runs share")
-    p.add_argument("--rerun", action="store_true", help="redo runs that finished before")
+    p.add_argument("--rerun", action="store_true", help="redo runs that finished before (without it, a run that "
+                   "finished fewer than --updates is continued, one that finished more is refused)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                    help="runs at a time, each with cores / jobs threads (default: 2, or 1 on one core)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline, measures nothing")

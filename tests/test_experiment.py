@@ -43,6 +43,23 @@ def test_ratio_line_divides_episodes_and_says_not_different_inside_the_noise():
         "episodes ratio (GRPO/SEED) on habit unlearned: not different; final valid_seen habit unlearned SEED 0.700")
 
 
+def test_plan_run_continues_a_shorter_or_killed_run_and_refuses_a_longer_one(tmp_path):
+    """A run folder that finished fewer updates than asked is resumed (not reported at its old budget as before),
+    one killed after a checkpoint is resumed, one past the budget is refused, --rerun starts over."""
+    import json
+    run = tmp_path / "seed-15"
+    assert experiment.plan_run(str(run), 10) == "overwrite"  # nothing there
+    (run / "checkpoints" / "update_000005").mkdir(parents=True)
+    assert experiment.plan_run(str(run), 10) == "overwrite"  # a checkpoint folder without trainer.pt is not one
+    (run / "checkpoints" / "update_000005" / "trainer.pt").write_bytes(b"")
+    assert experiment.plan_run(str(run), 10) == "resume"  # killed at update 5
+    (run / "summary.json").write_text(json.dumps({"eval": [{"update": 0}, {"update": 10}]}))
+    assert [experiment.plan_run(str(run), n) for n in (10, 20)] == ["reuse", "resume"]
+    assert experiment.plan_run(str(run), 10, rerun=True) == "overwrite"
+    with pytest.raises(SystemExit, match="trained 10 updates, more than --updates 5"):
+        experiment.plan_run(str(run), 5)
+
+
 def test_experiment_smoke_writes_the_table(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # its train.py processes: spinning OpenMP threads cost 6x on 2 cores
     root = tmp_path / "experiment"
