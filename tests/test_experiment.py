@@ -69,6 +69,12 @@ def test_experiment_smoke_writes_the_table(tmp_path, monkeypatch):
     assert "| seed | valid_seen |" in table and "| grpo | valid_unseen |" in table, table
     for algo in ("seed", "grpo"):
         assert len(read_lines(str(root / f"{algo}-0" / "metrics.jsonl"))) == 1
+    # a raised budget on the same root continues each run (train.py --resume) instead of reporting the old one
+    experiment.main(["--seeds", "0", "--updates", "2", "--eval-every", "1", "--smoke", "--jobs", "2",
+                     "--root", str(root), "--cache-dir", str(tmp_path / "cache")])
+    for algo in ("seed", "grpo"):
+        assert [row["update"] for row in read_lines(str(root / f"{algo}-0" / "metrics.jsonl"))] == [1, 2]
+        assert "resuming from" in (root / f"{algo}-0.log").read_text()
 
 
 def test_delta_picture_shows_the_trajectory_tokens(tmp_path, monkeypatch):
