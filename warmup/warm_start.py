@@ -12,7 +12,8 @@ demonstrations in the real prompt format, the three things SEED assumes an instr
      places swapped, the search going there; a content-free skill, the plain demonstrator with its habit; and
      contrast sets at the habit's decision (no skill -> habit, own skill -> the right appliance, its step
      swapped for another's -> habit, content-free -> habit). On the shipped start model a skill's habit-probe
-     lift is own +0.441, shuffled -0.056, content-free +0.080 (docs/experiments.md);
+     lift is own +0.441, shuffled -0.056, content-free +0.080; the same code from --warmup-seed 1 lifts own and
+     shuffled alike, +0.317 and +0.288 (docs/experiments.md);
   3. analyze: stage-1 SFT on (skills.analyzer_prompt -> annotator.annotate) for successes and failures.
 The result is cached under --cache-dir keyed by the settings the warm-up reads (never RL-only flags), so
 later runs start from it at once. The paper's stage 1 for any other model is seed.stage1_sft (train.py).
